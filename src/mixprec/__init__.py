@@ -1,0 +1,30 @@
+"""mixprec: automatic mixed precision for PyTorch, with its op policy as data.
+
+Example:
+    >>> import torch, mixprec
+    >>> with mixprec.autocast("cpu"):
+    ...     torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype
+    torch.bfloat16
+"""
+
+from mixprec import policies
+from mixprec._autocast import autocast, get_autocast_dtype, get_policy, is_autocast_enabled
+from mixprec._custom import custom_bwd, custom_fwd
+from mixprec._errors import AutocastDisabledWarning, MixprecWarning
+from mixprec.policies import Category, Policy
+
+__all__ = [
+    "AutocastDisabledWarning",
+    "Category",
+    "MixprecWarning",
+    "Policy",
+    "autocast",
+    "custom_bwd",
+    "custom_fwd",
+    "get_autocast_dtype",
+    "get_policy",
+    "is_autocast_enabled",
+    "policies",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,181 @@
+"""The public ``autocast`` context manager and decorator, and state queries."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from mixprec import _devices, _errors, _mode, _state
+from mixprec.policies import Policy
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _default_policy(device_type: str) -> Policy:
+    import mixprec.policies as policies
+
+    return getattr(policies, _devices.spec(device_type).policy)  # type: ignore[no-any-return]
+
+
+class autocast:  # noqa: N801 - torch's name
+    """Run a region of code in mixed precision.
+
+    Inside the region each torch op runs in the dtype its policy category asks
+    for: ``lower_precision_fp`` ops (matmuls, convolutions) in ``dtype``,
+    ``fp32`` ops in float32, ``promote`` ops in the widest input dtype. Only
+    floating tensors on ``device_type`` that are not float64 are cast; in-place
+    ops, ``out=`` calls and calls with an explicit ``dtype=`` run unchanged.
+
+    Works as a context manager and as a decorator; regions nest, and
+    ``enabled=False`` opens a full-precision sub-region. State is thread-local
+    and restored when the region exits, also on an exception.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"``, ``"xpu"``, ... (see ``mixprec._devices``).
+        dtype: The lower-precision dtype; defaults to the device's
+            (cpu: bfloat16, cuda: float16, xpu: bfloat16, others: float16).
+        enabled: Whether autocast is on in the region.
+        cache_enabled: Reuse the low-precision copy of each weight within the
+            outermost region (default True).
+        policy: The op table to apply; defaults to the device's policy. Any
+            policy works on any device, e.g. ``policies.CUDA`` on CPU tensors.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> with mixprec.autocast("cpu"):
+        ...     y = model(torch.randn(2, 4))
+        >>> y.dtype
+        torch.bfloat16
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        *,
+        policy: Policy | None = None,
+    ) -> None:
+        spec = _devices.spec(device_type)
+        _check_type("dtype", dtype, torch.dtype, optional=True)
+        _check_type("enabled", enabled, bool)
+        _check_type("cache_enabled", cache_enabled, bool, optional=True)
+        _check_type("policy", policy, Policy, optional=True)
+        self.device = device_type
+        self.fast_dtype = spec.default_dtype if dtype is None else dtype
+        self._cache_enabled = True if cache_enabled is None else cache_enabled
+        self._policy = policy
+        self._enabled = enabled and _usable(spec, self.fast_dtype)
+
+    def __enter__(self) -> autocast:
+        state = _state.get()
+        device = self.device
+        state.saved.append((device, state.devices.get(device)))
+        policy = self._policy if self._policy is not None else _default_policy(device)
+        state.devices[device] = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)
+        _refresh(state)
+        if len(state.saved) == 1:
+            if state.mode is None:
+                state.mode = _mode.AutocastMode(state)
+            _mode.push(state.mode)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        state = _state.get()
+        device, previous = state.saved.pop()
+        if previous is None:
+            del state.devices[device]
+        else:
+            state.devices[device] = previous
+        _refresh(state)
+        if not state.saved:
+            state.cache.clear()
+            _mode.remove(state.mode)
+
+    def __call__(self, func: F) -> F:
+        @functools.wraps(func)
+        def decorate_autocast(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return func(*args, **kwargs)
+
+        return decorate_autocast  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return (
+            f"autocast(device_type={self.device!r}, dtype={self.fast_dtype}, "
+            f"enabled={self._enabled}, cache_enabled={self._cache_enabled})"
+        )
+
+
+def _check_type(name: str, value: object, expected: type, *, optional: bool = False) -> None:
+    if (optional and value is None) or isinstance(value, expected):
+        return
+    label = f"{expected.__module__}.{expected.__qualname__}" if expected.__module__ != "builtins" else expected.__name__
+    raise TypeError(
+        _errors.message(
+            f"autocast argument {name!r} has the wrong type",
+            f"it must be a {label}" + (" or None" if optional else ""),
+            received={name: value},
+            expected=f"a {label}",
+        )
+    )
+
+
+def _usable(spec: _devices.DeviceSpec, dtype: torch.dtype) -> bool:
+    """Whether a region can run; warns (and the region is disabled) if not."""
+    if not spec.available():
+        _errors.warn(
+            _errors.message(
+                "autocast disabled",
+                f"device_type {spec.name!r} is not available on this machine",
+                fix=f"Use a device type that is available, e.g. 'cpu', or run where {spec.name} is present.",
+            ),
+            _errors.AutocastDisabledWarning,
+            stacklevel=3,
+        )
+        return False
+    if dtype not in spec.supported_dtypes:
+        _errors.warn(
+            _errors.message(
+                "autocast disabled",
+                f"{spec.name} autocast does not support this dtype",
+                received={"dtype": dtype},
+                expected=[_devices.dtype_name(d) for d in spec.supported_dtypes],
+            ),
+            _errors.AutocastDisabledWarning,
+            stacklevel=3,
+        )
+        return False
+    return True
+
+
+def _refresh(state: _state.ThreadState) -> None:
+    state.contexts = tuple(
+        _state.Context(device, s.dtype, s.policy, _mode.rules_for(s.policy), s.cache_enabled)
+        for device, s in state.devices.items()
+        if s.enabled
+    )
+
+
+def is_autocast_enabled(device_type: str) -> bool:
+    """Whether a mixprec autocast region is enabled for ``device_type`` in this thread."""
+    _devices.spec(device_type)
+    setting = _state.get().devices.get(device_type)
+    return setting is not None and setting.enabled
+
+
+def get_autocast_dtype(device_type: str) -> torch.dtype:
+    """The autocast dtype in force for ``device_type`` (its default outside any region)."""
+    spec = _devices.spec(device_type)
+    setting = _state.get().devices.get(device_type)
+    return spec.default_dtype if setting is None else setting.dtype
+
+
+def get_policy(device_type: str) -> Policy:
+    """The policy in force for ``device_type`` (the device's default outside any region)."""
+    setting = _state.get().devices.get(device_type)
+    return _default_policy(device_type) if setting is None else setting.policy

@@ -1,0 +1,97 @@
+"""custom_fwd / custom_bwd: autocast for custom autograd Functions.
+
+``custom_fwd`` records whether forward ran under autocast (and in which dtype
+and policy); ``custom_bwd`` runs backward in the same state. With
+``cast_inputs``, forward runs with autocast off on inputs cast to that dtype.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mixprec import _autocast, _cast, _devices, _state
+
+
+def _cast_inputs(value: Any, device_type: str, dtype: torch.dtype) -> Any:
+    """Cast eligible tensors inside ``value``; strings, bytes and numpy arrays pass through."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if _cast.is_eligible(value, device_type) else value
+    if isinstance(value, (str, bytes)):
+        return value
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(value, numpy.ndarray):
+        return value
+    if isinstance(value, collections.abc.Mapping):
+        return {_cast_inputs(k, device_type, dtype): _cast_inputs(v, device_type, dtype) for k, v in value.items()}
+    if isinstance(value, collections.abc.Iterable):
+        items = (_cast_inputs(v, device_type, dtype) for v in value)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*items)
+        if isinstance(value, (list, tuple)):
+            return type(value)(items)
+        return items
+    return value
+
+
+def custom_fwd(
+    fwd: Callable[..., Any] | None = None,
+    *,
+    device_type: str,
+    cast_inputs: torch.dtype | None = None,
+) -> Any:
+    """Decorate the ``forward`` of a custom ``torch.autograd.Function``.
+
+    Args:
+        fwd: The forward staticmethod (omit it to use ``@custom_fwd(...)``).
+        device_type: The autocast device the Function is used on.
+        cast_inputs: If given and forward runs in an enabled region, floating
+            inputs on ``device_type`` are cast to it and forward runs with
+            autocast off. If None, forward runs in the surrounding state.
+    """
+    _devices.spec(device_type)
+    if fwd is None:
+        return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
+
+    @functools.wraps(fwd)
+    def decorate_fwd(*args: Any, **kwargs: Any) -> Any:
+        ctx = args[0]
+        setting = _state.get().devices.get(device_type)
+        enabled = setting is not None and setting.enabled
+        ctx._dtype = _autocast.get_autocast_dtype(device_type)
+        ctx._mixprec_policy = _autocast.get_policy(device_type)
+        if cast_inputs is None:
+            ctx._fwd_used_autocast = enabled
+            return fwd(*args, **kwargs)
+        ctx._fwd_used_autocast = False
+        if not enabled:
+            return fwd(*args, **kwargs)
+        with _autocast.autocast(device_type, enabled=False):
+            return fwd(*_cast_inputs(args, device_type, cast_inputs), **_cast_inputs(kwargs, device_type, cast_inputs))
+
+    return decorate_fwd
+
+
+def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> Any:
+    """Decorate the ``backward`` of a custom Function: it runs in forward's autocast state."""
+    _devices.spec(device_type)
+    if bwd is None:
+        return functools.partial(custom_bwd, device_type=device_type)
+
+    @functools.wraps(bwd)
+    def decorate_bwd(*args: Any, **kwargs: Any) -> Any:
+        ctx = args[0]
+        with _autocast.autocast(
+            device_type,
+            dtype=ctx._dtype,
+            enabled=ctx._fwd_used_autocast,
+            policy=ctx._mixprec_policy,
+        ):
+            return bwd(*args, **kwargs)
+
+    return decorate_bwd

@@ -1,0 +1,84 @@
+"""The devices autocast knows: default and supported dtypes, default policy.
+
+This table is the only place where devices differ; everything else reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from mixprec import _errors
+
+
+def _always() -> bool:
+    return True
+
+
+def _backend_available(name: str) -> Callable[[], bool]:
+    def available() -> bool:
+        module = getattr(torch, name, None)
+        is_available = getattr(module, "is_available", None)
+        return bool(is_available()) if is_available is not None else False
+
+    return available
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceSpec:
+    """What autocast does on one device type."""
+
+    name: str
+    default_dtype: torch.dtype
+    supported_dtypes: tuple[torch.dtype, ...]
+    policy: str  # attribute name in mixprec.policies
+    available: Callable[[], bool]
+
+
+_LOW = (torch.float16, torch.bfloat16)
+
+DEVICES: dict[str, DeviceSpec] = {
+    spec.name: spec
+    for spec in (
+        DeviceSpec("cpu", torch.bfloat16, (torch.bfloat16, torch.float16), "CPU", _always),
+        DeviceSpec("cuda", torch.float16, _LOW, "CUDA", _backend_available("cuda")),
+        DeviceSpec("xpu", torch.bfloat16, (torch.bfloat16, torch.float16), "XPU", _backend_available("xpu")),
+        DeviceSpec("mps", torch.float16, _LOW, "CUDA", _backend_available("mps")),
+        DeviceSpec("mtia", torch.float16, _LOW, "CUDA", _backend_available("mtia")),
+        DeviceSpec("maia", torch.float16, _LOW, "CUDA", _backend_available("maia")),
+        DeviceSpec("hpu", torch.float16, _LOW, "CUDA", _backend_available("hpu")),
+        DeviceSpec("xla", torch.float16, _LOW, "CUDA", _always),
+        DeviceSpec("ipu", torch.float16, _LOW, "CUDA", _always),
+    )
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def spec(device_type: object) -> DeviceSpec:
+    """Look up a device type, with mixprec's error for anything unknown."""
+    if not isinstance(device_type, str):
+        raise TypeError(
+            _errors.message(
+                "autocast device_type is invalid",
+                "it must be a string naming a device type",
+                received={"device_type": device_type},
+                expected=sorted(DEVICES),
+            )
+        )
+    found = DEVICES.get(device_type)
+    if found is None:
+        raise ValueError(
+            _errors.message(
+                "autocast device_type is unknown",
+                "mixprec has no autocast rules for this device type",
+                received={"device_type": device_type},
+                expected=sorted(DEVICES),
+                fix="Pass the device type without an index, e.g. 'cuda' rather than 'cuda:0'.",
+            )
+        )
+    return found

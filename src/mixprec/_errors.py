@@ -1,0 +1,50 @@
+"""One error and warning style for all of mixprec.
+
+Messages read ``<what failed>: <why>. Received: name=value (type T). Expected ...
+<how to fix>``, so that every user-facing text has the same shape.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+
+class MixprecWarning(UserWarning):
+    """Base class of every warning that mixprec emits."""
+
+
+class AutocastDisabledWarning(MixprecWarning):
+    """An autocast region was asked for but cannot run, so it is disabled."""
+
+
+def describe(value: Any) -> str:
+    """Render a received value and its type, as the error texts show them."""
+    return f"{value!r} (type {type(value).__module__}.{type(value).__qualname__})"
+
+
+def message(
+    what: str,
+    why: str,
+    *,
+    received: dict[str, Any] | None = None,
+    expected: Iterable[str] | str | None = None,
+    fix: str | None = None,
+) -> str:
+    """Compose a message in mixprec's single error style."""
+    parts = [f"{what}: {why}."]
+    if received:
+        parts.append("Received: " + ", ".join(f"{k}={describe(v)}" for k, v in received.items()) + ".")
+    if expected is not None:
+        if not isinstance(expected, str):
+            expected = "one of: " + ", ".join(expected)
+        parts.append(f"Expected {expected}.")
+    if fix:
+        parts.append(fix)
+    return " ".join(parts)
+
+
+def warn(text: str, category: type[MixprecWarning] = MixprecWarning, stacklevel: int = 2) -> None:
+    """Emit a mixprec warning; ``stacklevel`` counts from the caller of ``warn``."""
+    warnings.warn(text, category, stacklevel=stacklevel + 1)

@@ -1,0 +1,62 @@
+"""Running Python-level composites so that the ops inside them are autocast.
+
+A ``TorchFunctionMode`` handler runs with the mode switched off, so the ops that
+a Python composite such as ``F.multi_head_attention_forward`` calls would escape
+autocast. Re-pushing the mode and calling the composite does not work either:
+its own ``has_torch_function`` gate sends the call straight back to the mode.
+
+The composite is therefore run as a *twin*: the same code object, closure and
+defaults, with globals in which the three gate functions answer False and every
+other name is looked up live in the composite's own module. The twin runs with
+the mode pushed, so each op it calls goes through the mode; its own gate no
+longer re-dispatches it. Functions without a gate (plain wrappers) get no twin.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+_GATES = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _never(*args: object) -> bool:
+    return False
+
+
+class _TwinGlobals(dict):  # type: ignore[type-arg]
+    """Gate names answer False; every other global is read from the live module."""
+
+    __slots__ = ("live",)
+
+    def __missing__(self, key: str) -> Any:
+        return self.live[key]
+
+
+_twins: dict[Callable[..., Any], Callable[..., Any] | None] = {}
+
+
+def _make_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    if not isinstance(func, types.FunctionType):
+        return None
+    code = func.__code__
+    if not any(gate in code.co_names for gate in _GATES):
+        return None
+    scope = _TwinGlobals({gate: _never for gate in _GATES})
+    scope.live = func.__globals__
+    scope["__builtins__"] = func.__globals__.get("__builtins__", __builtins__)
+    twin = types.FunctionType(code, scope, func.__name__, func.__defaults__, func.__closure__)
+    twin.__kwdefaults__ = func.__kwdefaults__
+    return twin
+
+
+def twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The gate-free twin of a Python composite, or None if it has no gate."""
+    try:
+        return _twins[func]
+    except KeyError:
+        made = _twins[func] = _make_twin(func)
+        return made
+    except TypeError:  # unhashable callable
+        return None

@@ -1,0 +1,16 @@
+"""``mixprec.cpu.amp``: torch.cpu.amp's names, for a one-line switch."""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec._autocast import autocast as _autocast
+
+__all__ = ["autocast"]
+
+
+class autocast(_autocast):  # noqa: N801 - torch's name
+    """``torch.cpu.amp.autocast``: mixprec.autocast on the CPU (default bfloat16)."""
+
+    def __init__(self, enabled: bool = True, dtype: torch.dtype = torch.bfloat16, cache_enabled: bool = True) -> None:
+        super().__init__("cpu", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)

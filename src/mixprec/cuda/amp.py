@@ -1,0 +1,31 @@
+"""``mixprec.cuda.amp``: torch.cuda.amp's names and signatures (no device_type)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mixprec._autocast import autocast as _autocast
+from mixprec._custom import custom_bwd as _custom_bwd
+from mixprec._custom import custom_fwd as _custom_fwd
+
+__all__ = ["autocast", "custom_bwd", "custom_fwd"]
+
+
+class autocast(_autocast):  # noqa: N801 - torch's name
+    """``torch.cuda.amp.autocast``: mixprec.autocast on CUDA (default float16)."""
+
+    def __init__(self, enabled: bool = True, dtype: torch.dtype = torch.float16, cache_enabled: bool = True) -> None:
+        super().__init__("cuda", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+
+def custom_fwd(fwd: Callable[..., Any] | None = None, *, cast_inputs: torch.dtype | None = None) -> Any:
+    """``torch.cuda.amp.custom_fwd``: mixprec.custom_fwd with device_type='cuda'."""
+    return _custom_fwd(fwd, device_type="cuda", cast_inputs=cast_inputs)
+
+
+def custom_bwd(bwd: Callable[..., Any]) -> Any:
+    """``torch.cuda.amp.custom_bwd``: mixprec.custom_bwd with device_type='cuda'."""
+    return _custom_bwd(bwd, device_type="cuda")

@@ -1,0 +1,78 @@
+"""From an op's name to the Python callables through which it can be reached.
+
+An op is named as in ATen or in torch's AMP docs: ``softmax``, ``linalg_inv``,
+``fft_rfft``, ``__rtruediv__``. Every namespace that exposes it counts:
+``torch.X``, ``torch.nn.functional.X`` / ``torch._C._nn.X``, ``torch.linalg``,
+``torch.fft``, ``torch.special``, and ``torch.Tensor`` methods.
+
+Algorithm::
+
+    builtins = [getattr(ns, name) for each C namespace that has it]
+    if builtins: return builtins          # Python wrappers are expanded by the mode
+    return [Python-level functions with that name]   # e.g. F.cross_entropy, Tensor.__rpow__
+
+Builtins map one to one onto ATen ops; Python composites over them are run with
+their inner calls intercepted, so they need no entry of their own.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+
+import torch
+
+
+def _c_namespaces() -> tuple[object, ...]:
+    c = torch._C
+    return (c._VariableFunctions, c._nn, c._linalg, c._fft, c._special, c.TensorBase)
+
+
+def _python_namespaces() -> tuple[tuple[str, object], ...]:
+    return (
+        ("", torch),
+        ("", torch.nn.functional),
+        ("", torch.functional),
+        ("", torch.Tensor),
+        ("linalg_", torch.linalg),
+        ("fft_", torch.fft),
+        ("special_", torch.special),
+    )
+
+
+_BUILTIN_TYPES = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+
+
+def _unique(found: list[object]) -> tuple[Callable[..., object], ...]:
+    out: list[Callable[..., object]] = []
+    for obj in found:
+        if callable(obj) and all(obj is not seen for seen in out):
+            out.append(obj)
+    return tuple(out)
+
+
+@functools.cache
+def callables(name: str) -> tuple[Callable[..., object], ...]:
+    """All callables that reach the op ``name`` (empty if torch has none)."""
+    name = name.strip()
+    builtins = [getattr(ns, name, None) for ns in _c_namespaces()]
+    builtins = [f for f in builtins if isinstance(f, _BUILTIN_TYPES)]
+    if builtins and not (name.startswith("__") and name.endswith("__")):
+        return _unique(builtins)
+    wrappers = []
+    for prefix, namespace in _python_namespaces():
+        if name.startswith(prefix):
+            wrappers.append(getattr(namespace, name[len(prefix):], None))
+    wrappers = [f for f in wrappers if isinstance(f, types.FunctionType)]
+    return _unique(builtins + wrappers)
+
+
+def name_of(func: Callable[..., object]) -> str:
+    """The op name under which a callable is listed (its ATen-style name)."""
+    name = getattr(func, "__name__", None) or repr(func)
+    module = getattr(func, "__module__", None) or ""
+    for prefix in ("linalg", "fft", "special"):
+        if module.endswith("_" + prefix) and not name.startswith(prefix + "_"):
+            return f"{prefix}_{name}"
+    return name

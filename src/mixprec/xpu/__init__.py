@@ -1,0 +1,5 @@
+"""The torch.xpu.amp namespace, as the AMP references name it."""
+
+from mixprec.xpu import amp
+
+__all__ = ["amp"]
