@@ -7,7 +7,7 @@ Example:
     torch.bfloat16
 """
 
-from mixprec import policies
+from mixprec import cpu, cuda, policies, xpu
 from mixprec._autocast import autocast, get_autocast_dtype, get_policy, is_autocast_enabled
 from mixprec._custom import custom_bwd, custom_fwd
 from mixprec._errors import AutocastDisabledWarning, MixprecWarning
@@ -24,7 +24,10 @@ __all__ = [
     "get_autocast_dtype",
     "get_policy",
     "is_autocast_enabled",
+    "cpu",
+    "cuda",
     "policies",
+    "xpu",
 ]
 
 __version__ = "0.1.0"

@@ -135,7 +135,6 @@ def _usable(spec: _devices.DeviceSpec, dtype: torch.dtype) -> bool:
                 fix=f"Use a device type that is available, e.g. 'cpu', or run where {spec.name} is present.",
             ),
             _errors.AutocastDisabledWarning,
-            stacklevel=3,
         )
         return False
     if dtype not in spec.supported_dtypes:
@@ -147,7 +146,6 @@ def _usable(spec: _devices.DeviceSpec, dtype: torch.dtype) -> bool:
                 expected=[_devices.dtype_name(d) for d in spec.supported_dtypes],
             ),
             _errors.AutocastDisabledWarning,
-            stacklevel=3,
         )
         return False
     return True

@@ -6,6 +6,8 @@ Messages read ``<what failed>: <why>. Received: name=value (type T). Expected ..
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -45,6 +47,19 @@ def message(
     return " ".join(parts)
 
 
-def warn(text: str, category: type[MixprecWarning] = MixprecWarning, stacklevel: int = 2) -> None:
-    """Emit a mixprec warning; ``stacklevel`` counts from the caller of ``warn``."""
-    warnings.warn(text, category, stacklevel=stacklevel + 1)
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first frame outside mixprec, counted from ``warn``'s caller."""
+    frame = sys._getframe(2)
+    level = 2
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def warn(text: str, category: type[MixprecWarning] = MixprecWarning) -> None:
+    """Emit a mixprec warning attributed to the user's line (the first frame outside mixprec)."""
+    warnings.warn(text, category, stacklevel=_user_stacklevel())

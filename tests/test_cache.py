@@ -1,0 +1,146 @@
+"""The cast cache: reuse within a region, cleared at the outermost exit, never
+used under no_grad, invalidated by in-place updates, never keeping weights alive."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mixprec
+
+
+class CountCasts(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._to_copy.default:
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+def casts_of(fn, *, cache_enabled=True):
+    with CountCasts() as counter, mixprec.autocast("cpu", cache_enabled=cache_enabled):
+        fn()
+    return counter.casts
+
+
+def native_casts_of(fn):
+    with CountCasts() as counter, torch.autocast("cpu", dtype=torch.bfloat16):
+        fn()
+    return counter.casts
+
+
+W = torch.nn.Parameter(torch.randn(4, 4))
+X = torch.randn(4, 4)
+
+
+def three_uses():
+    for _ in range(3):
+        torch.mm(X, W)
+
+
+def test_weight_cast_once_per_region_like_native():
+    # X (no grad) is cast at every use, W once: 3 + 1.
+    assert casts_of(three_uses) == 4
+    assert native_casts_of(three_uses) == 4
+
+
+def test_cache_disabled_casts_every_time():
+    assert casts_of(three_uses, cache_enabled=False) == 6
+
+
+def test_cached_cast_reused_by_identity():
+    with mixprec.autocast("cpu"):
+        first = torch.mm(X, W)
+        second = torch.mm(X, W)
+    assert torch.equal(first, second)
+    assert first.grad_fn.next_functions[1][0] is second.grad_fn.next_functions[1][0]
+
+
+def test_cache_cleared_when_outermost_region_exits():
+    def run():
+        with mixprec.autocast("cpu"):
+            torch.mm(X, W)
+
+    with CountCasts() as counter:
+        run()
+        run()
+    assert counter.casts == 4
+    assert mixprec._state.get().cache == {}
+
+
+def test_cache_lives_across_nested_regions():
+    with CountCasts() as counter, mixprec.autocast("cpu"):
+        torch.mm(X, W)
+        with mixprec.autocast("cpu", enabled=False):
+            pass
+        with mixprec.autocast("cpu"):
+            torch.mm(X, W)
+    assert counter.casts == 3
+
+
+def test_no_cache_under_no_grad():
+    # A cast made under no_grad has no autograd history; reusing it later with
+    # grad enabled would silently cut the weight out of the graph.
+    with mixprec.autocast("cpu"):
+        with torch.no_grad():
+            torch.mm(X, W)
+        out = torch.mm(X, W)
+    out.float().sum().backward()
+    assert W.grad is not None and torch.count_nonzero(W.grad) > 0
+    W.grad = None
+
+
+def test_in_place_update_forces_new_cast():
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    with mixprec.autocast("cpu"):
+        before = torch.mm(X, w)
+        with torch.no_grad():
+            w.mul_(2)
+        after = torch.mm(X, w)
+    expected = torch.mm(X.bfloat16(), w.detach().bfloat16())
+    assert torch.equal(after, expected)
+    assert not torch.equal(before, after)
+
+
+def test_only_leaf_fp32_tensors_that_require_grad_are_cached():
+    not_leaf = W * 1
+    with CountCasts() as counter, mixprec.autocast("cpu"):
+        torch.mm(not_leaf, not_leaf)
+        torch.mm(not_leaf, not_leaf)
+    assert counter.casts == 4
+    assert mixprec._state.get().cache == {}
+
+
+def test_cache_keeps_no_weight_alive_after_region():
+    layer = torch.nn.Linear(4, 4)
+    ref = weakref.ref(layer.weight)
+    with mixprec.autocast("cpu"):
+        layer(X).float().sum().backward()
+    del layer
+    gc.collect()
+    assert ref() is None
+
+
+def test_cache_does_not_hold_weights_strongly_in_region():
+    with mixprec.autocast("cpu"):
+        layer = torch.nn.Linear(4, 4)
+        with torch.no_grad():
+            pass
+        out = layer(X)
+        entries = list(mixprec._state.get().cache.values())
+        assert entries and all(isinstance(e[0], weakref.ref) for e in entries)
+        del out, entries
+
+
+def test_fp16_then_bf16_in_nested_regions_do_not_share_entries():
+    with mixprec.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(X, W).dtype is torch.bfloat16
+        with mixprec.autocast("cpu", dtype=torch.float16):
+            assert torch.mm(X, W).dtype is torch.float16
+        assert torch.mm(X, W).dtype is torch.bfloat16

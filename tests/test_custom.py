@@ -1,0 +1,116 @@
+"""custom_fwd / custom_bwd on custom autograd Functions, with and without cast_inputs."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+
+import mixprec
+from mixprec._custom import _cast_inputs
+
+
+class MyMM(torch.autograd.Function):
+    @staticmethod
+    @mixprec.custom_fwd(device_type="cpu")
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        ctx.seen = (a.dtype, mixprec.is_autocast_enabled("cpu"))
+        return a.mm(b)
+
+    @staticmethod
+    @mixprec.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        MyMM.backward_state = (mixprec.is_autocast_enabled("cpu"), mixprec.get_autocast_dtype("cpu"))
+        return grad.mm(b.t()), a.t().mm(grad)
+
+
+class MyMMFloat32(torch.autograd.Function):
+    @staticmethod
+    @mixprec.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, a, container):
+        ctx.save_for_backward(a, container["b"])
+        MyMMFloat32.forward_state = (a.dtype, container["b"].dtype, mixprec.is_autocast_enabled("cpu"))
+        return a.mm(container["b"])
+
+    @staticmethod
+    @mixprec.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        MyMMFloat32.backward_enabled = mixprec.is_autocast_enabled("cpu")
+        return grad.mm(b.t()), None
+
+
+def leaves():
+    return torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+
+
+def test_custom_fwd_without_cast_inputs_runs_in_surrounding_state():
+    a, b = leaves()
+    with mixprec.autocast("cpu", dtype=torch.float16):
+        out = MyMM.apply(a, b)
+    assert out.dtype is torch.float16  # mm inside forward was autocast
+    out.float().sum().backward()
+    assert MyMM.backward_state == (True, torch.float16)
+    assert a.grad.dtype is torch.float32
+
+
+def test_custom_fwd_outside_region_records_disabled():
+    a, b = leaves()
+    out = MyMM.apply(a, b)
+    assert out.dtype is torch.float32
+    out.sum().backward()
+    assert MyMM.backward_state[0] is False
+
+
+def test_cast_inputs_casts_and_disables_autocast_in_forward():
+    a, b = leaves()
+    with mixprec.autocast("cpu"):
+        out = MyMMFloat32.apply(a.bfloat16(), {"b": b.bfloat16()})
+    assert MyMMFloat32.forward_state == (torch.float32, torch.float32, False)
+    assert out.dtype is torch.float32
+    out.sum().backward()
+    assert MyMMFloat32.backward_enabled is False
+    assert a.grad is not None
+
+
+def test_cast_inputs_is_a_no_op_outside_a_region():
+    a, b = leaves()
+    MyMMFloat32.apply(a.bfloat16(), {"b": b.bfloat16()})
+    assert MyMMFloat32.forward_state == (torch.bfloat16, torch.bfloat16, False)
+
+
+def test_cuda_namespace_signatures():
+    fwd = mixprec.cuda.amp.custom_fwd(cast_inputs=torch.float32)
+    assert callable(fwd)
+    assert callable(mixprec.cuda.amp.custom_bwd(lambda ctx, g: g))
+
+
+Point = collections.namedtuple("Point", "x y")
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "check"),
+    [
+        ("str", "abc", lambda out: out == "abc"),
+        ("bytes", b"abc", lambda out: out == b"abc"),
+        ("numpy", np.ones(3), lambda out: isinstance(out, np.ndarray)),
+        ("list", [torch.ones(1), 2], lambda out: isinstance(out, list) and out[0].dtype is torch.float16 and out[1] == 2),
+        ("tuple", (torch.ones(1),), lambda out: isinstance(out, tuple) and out[0].dtype is torch.float16),
+        ("namedtuple", Point(torch.ones(1), 3), lambda out: isinstance(out, Point) and out.x.dtype is torch.float16),
+        ("dict", {"k": torch.ones(1)}, lambda out: isinstance(out, dict) and out["k"].dtype is torch.float16),
+        ("float64 stays", torch.ones(1, dtype=torch.float64), lambda out: out.dtype is torch.float64),
+        ("int stays", torch.ones(1, dtype=torch.long), lambda out: out.dtype is torch.long),
+        ("other device stays", torch.ones(1, device="meta"), lambda out: out.dtype is torch.float32),
+    ],
+)
+def test_cast_walks_containers(name, value, check):
+    assert check(_cast_inputs(value, "cpu", torch.float16))
+
+
+def test_custom_fwd_validates_device_type():
+    with pytest.raises(ValueError, match="device_type"):
+        mixprec.custom_fwd(device_type="gpu")

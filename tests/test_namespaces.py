@@ -1,0 +1,47 @@
+"""torch.cpu.amp / torch.cuda.amp / torch.xpu.amp names, and a clean import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import torch
+
+import mixprec
+
+
+def test_cpu_amp_autocast_defaults_to_bfloat16():
+    with mixprec.cpu.amp.autocast():
+        assert mixprec.get_autocast_dtype("cpu") is torch.bfloat16
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype is torch.bfloat16
+
+
+def test_cpu_amp_autocast_takes_dtype_and_enabled():
+    with mixprec.cpu.amp.autocast(dtype=torch.float16):
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype is torch.float16
+    with mixprec.cpu.amp.autocast(enabled=False):
+        assert not mixprec.is_autocast_enabled("cpu")
+
+
+def test_cuda_and_xpu_namespaces_name_their_devices():
+    assert mixprec.cuda.amp.autocast(enabled=False).device == "cuda"
+    assert mixprec.cuda.amp.autocast(enabled=False).fast_dtype is torch.float16
+    assert mixprec.xpu.amp.autocast(enabled=False).device == "xpu"
+    assert mixprec.xpu.amp.autocast(enabled=False).fast_dtype is torch.bfloat16
+
+
+def test_import_does_no_work():
+    code = (
+        "import sys, mixprec, mixprec.policies as p;"
+        "import mixprec.policies._policy as pol;"
+        "assert p._build.cache_info().currsize == 0, 'a policy was built at import';"
+        "assert 'transformers' not in sys.modules and 'numpy.testing' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_public_surface():
+    assert set(mixprec.__all__) >= {
+        "autocast", "is_autocast_enabled", "get_autocast_dtype", "get_policy",
+        "custom_fwd", "custom_bwd", "policies", "Policy",
+    }
