@@ -46,7 +46,7 @@ def main() -> None:
             print(f"step {step:4d}  loss {loss.item():.4f}")
 
     print(f"\nPer-layer dtypes under mixprec.autocast('cpu', dtype=torch.{args.dtype}):")
-    print(f"{"layer":<16}{'input':<12}{'output':<12}{'weight':<10}")
+    print(f"{'layer':<16}{'input':<12}{'output':<12}{'weight':<10}")
     rows = []
     hooks = [
         module.register_forward_hook(lambda m, i, o, name=name: rows.append((name, i[0].dtype, o.dtype, m)))
@@ -59,7 +59,8 @@ def main() -> None:
     for name, inp, out, module in rows:
         weight = getattr(module, "weight", None)
         label = f"{name} ({type(module).__name__})"
-        print(f"{label:<16}{str(inp)[6:]:<12}{str(out)[6:]:<12}{str(weight.dtype)[6:] if weight is not None else '-':<10}")
+        weight_dtype = str(weight.dtype)[6:] if weight is not None else "-"
+        print(f"{label:<16}{str(inp)[6:]:<12}{str(out)[6:]:<12}{weight_dtype:<10}")
     print(f"\ntrain accuracy {accuracy:.3f}")
 
 

@@ -39,7 +39,7 @@ class MyMMFloat32(torch.autograd.Function):
     @staticmethod
     @mixprec.custom_bwd(device_type="cpu")
     def backward(ctx, grad):
-        a, b = ctx.saved_tensors
+        _, b = ctx.saved_tensors
         MyMMFloat32.backward_enabled = mixprec.is_autocast_enabled("cpu")
         return grad.mm(b.t()), None
 
@@ -98,7 +98,7 @@ Point = collections.namedtuple("Point", "x y")
         ("str", "abc", lambda out: out == "abc"),
         ("bytes", b"abc", lambda out: out == b"abc"),
         ("numpy", np.ones(3), lambda out: isinstance(out, np.ndarray)),
-        ("list", [torch.ones(1), 2], lambda out: isinstance(out, list) and out[0].dtype is torch.float16 and out[1] == 2),
+        ("list", [torch.ones(1), 2], lambda out: type(out) is list and out[0].dtype is torch.float16 and out[1] == 2),
         ("tuple", (torch.ones(1),), lambda out: isinstance(out, tuple) and out[0].dtype is torch.float16),
         ("namedtuple", Point(torch.ones(1), 3), lambda out: isinstance(out, Point) and out.x.dtype is torch.float16),
         ("dict", {"k": torch.ones(1)}, lambda out: isinstance(out, dict) and out["k"].dtype is torch.float16),

@@ -32,7 +32,10 @@ def test_region_sets_and_restores_state():
     assert mm_dtype() is torch.float32
 
 
-@pytest.mark.parametrize(("device", "dtype"), [("cpu", torch.bfloat16), ("cuda", torch.float16), ("xpu", torch.bfloat16), ("mps", torch.float16)])
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [("cpu", torch.bfloat16), ("cuda", torch.float16), ("xpu", torch.bfloat16), ("mps", torch.float16)],
+)
 def test_default_dtype_per_device(device, dtype):
     assert mixprec.get_autocast_dtype(device) is dtype
 
@@ -92,10 +95,8 @@ def test_decorated_forward_in_module():
 
 
 def test_exception_restores_state():
-    with pytest.raises(ZeroDivisionError):
-        with mixprec.autocast("cpu"):
-            with mixprec.autocast("cpu", dtype=torch.float16):
-                raise ZeroDivisionError
+    with pytest.raises(ZeroDivisionError), mixprec.autocast("cpu"), mixprec.autocast("cpu", dtype=torch.float16):
+        raise ZeroDivisionError
     assert not mixprec.is_autocast_enabled("cpu")
     assert mm_dtype() is torch.float32
 

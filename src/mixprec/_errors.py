@@ -10,6 +10,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterable
+from types import FrameType
 from typing import Any
 
 
@@ -52,7 +53,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 def _user_stacklevel() -> int:
     """The stacklevel of the first frame outside mixprec, counted from ``warn``'s caller."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     level = 2
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back

@@ -29,6 +29,7 @@ class _TwinGlobals(dict):  # type: ignore[type-arg]
     """Gate names answer False; every other global is read from the live module."""
 
     __slots__ = ("live",)
+    live: dict[str, Any]
 
     def __missing__(self, key: str) -> Any:
         return self.live[key]

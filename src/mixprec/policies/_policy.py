@@ -75,10 +75,7 @@ class Policy:
 
     def category(self, op: str | Callable[..., object]) -> str | None:
         """The category of ``op`` (a name or a torch callable), or None if unlisted."""
-        if isinstance(op, str):
-            found = self.table.get(op.strip())
-        else:
-            found = self._by_callable.get(op)
+        found = self.table.get(op.strip()) if isinstance(op, str) else self._by_callable.get(op)
         return None if found is None else found.value
 
     def ops(self, category: str) -> tuple[str, ...]:

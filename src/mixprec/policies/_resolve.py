@@ -20,12 +20,13 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 
 def _c_namespaces() -> tuple[object, ...]:
-    c = torch._C
+    c: Any = torch._C
     return (c._VariableFunctions, c._nn, c._linalg, c._fft, c._special, c.TensorBase)
 
 
