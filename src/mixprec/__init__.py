@@ -12,12 +12,16 @@ from mixprec._autocast import autocast, get_autocast_dtype, get_policy, is_autoc
 from mixprec._custom import custom_bwd, custom_fwd
 from mixprec._errors import AutocastDisabledWarning, MixprecWarning
 from mixprec.policies import Category, Policy
+from mixprec.scaler import GradScaler, ScaleRecord, ScalerStateError
 
 __all__ = [
     "AutocastDisabledWarning",
     "Category",
+    "GradScaler",
     "MixprecWarning",
     "Policy",
+    "ScaleRecord",
+    "ScalerStateError",
     "autocast",
     "cpu",
     "cuda",

@@ -10,8 +10,9 @@ import torch
 from mixprec._autocast import autocast as _autocast
 from mixprec._custom import custom_bwd as _custom_bwd
 from mixprec._custom import custom_fwd as _custom_fwd
+from mixprec.scaler import GradScaler as _GradScaler
 
-__all__ = ["autocast", "custom_bwd", "custom_fwd"]
+__all__ = ["GradScaler", "autocast", "custom_bwd", "custom_fwd"]
 
 
 class autocast(_autocast):  # noqa: N801 - torch's name
@@ -29,3 +30,17 @@ def custom_fwd(fwd: Callable[..., Any] | None = None, *, cast_inputs: torch.dtyp
 def custom_bwd(bwd: Callable[..., Any]) -> Any:
     """``torch.cuda.amp.custom_bwd``: mixprec.custom_bwd with device_type='cuda'."""
     return _custom_bwd(bwd, device_type="cuda")
+
+
+class GradScaler(_GradScaler):
+    """``torch.cuda.amp.GradScaler``: the seed's signature, no device argument."""
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        super().__init__("cuda", init_scale, growth_factor, backoff_factor, growth_interval, enabled)

@@ -1,0 +1,475 @@
+"""GradScaler: dynamic loss scaling, used exactly like torch.amp.GradScaler.
+
+Per iteration, for each optimizer::
+
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)        # optional: grads /= scale, found_inf |= any non-finite grad
+    scaler.step(opt)            # skipped if found_inf (agreed across ranks)
+    scaler.update()             # back off on inf, grow every growth_interval finite steps
+
+Each optimizer moves READY -> UNSCALED -> STEPPED; ``update`` returns all to READY.
+Calls out of that order raise :class:`ScalerStateError` naming the order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from mixprec import _devices, _errors
+from mixprec.scaler import _distributed
+from mixprec.scaler._history import History, ScaleRecord
+from mixprec.scaler._rule import ScaleRule
+
+_ORDER = "Call scaler.scale(loss).backward(), then unscale_(optimizer) (optional), step(optimizer), update()."
+
+
+class ScalerStateError(RuntimeError, AssertionError):
+    """A GradScaler method was called out of order.
+
+    Subclasses AssertionError too, so code written against torch's GradScaler
+    (which asserts in some of these cases) still catches it.
+    """
+
+
+class _Stage(enum.Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclasses.dataclass
+class _OptimizerState:
+    stage: _Stage = _Stage.READY
+    found_inf_per_device: dict[torch.device, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+
+def _check_factor(name: str, value: object, ok: bool, expected: str) -> None:
+    if not ok:
+        raise ValueError(_errors.message(f"GradScaler {name} is invalid", "it is out of range", received={name: value}, expected=expected))
+
+
+class GradScaler:
+    """Dynamic loss scaling for float16 training; torch.amp.GradScaler's API plus
+    Megatron-style ``hysteresis``, ``min_scale`` and ``max_scale``.
+
+    Args:
+        device: Device type of the gradients ("cuda", "cpu", ...).
+        init_scale: Initial scale factor.
+        growth_factor: Scale multiplier after ``growth_interval`` finite steps (> 1).
+        backoff_factor: Scale multiplier on an inf/NaN step (< 1).
+        growth_interval: Consecutive finite steps before the scale grows.
+        enabled: If False, every method is a pass-through.
+        hysteresis: Inf steps tolerated before backing off (1 = torch's behaviour).
+        min_scale: The scale never backs off below this.
+        max_scale: The scale never grows above this.
+        allow_fp16_grads: Unscale float16 gradients instead of refusing them.
+        process_group: Group over which ranks agree on found_inf (default: the
+            default group when torch.distributed is initialized; False: never).
+
+    Example:
+        >>> scaler = mixprec.GradScaler("cpu")
+        >>> with mixprec.autocast("cpu", dtype=torch.float16):
+        ...     loss = model(x).float().sum()
+        >>> scaler.scale(loss).backward()
+        >>> scaler.step(optimizer)
+        >>> scaler.update()
+        >>> scaler.last_step_skipped
+        False
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        allow_fp16_grads: bool = False,
+        process_group: Any = None,
+    ) -> None:
+        spec = _devices.spec(device)
+        if not isinstance(enabled, bool):
+            raise TypeError(_errors.message("GradScaler enabled is invalid", "it must be a bool", received={"enabled": enabled}))
+        self._device = device
+        self._enabled = enabled
+        if enabled and not spec.available():
+            _errors.warn(
+                _errors.message("GradScaler disabled", f"device {device!r} is not available on this machine"),
+                _errors.AutocastDisabledWarning,
+            )
+            self._enabled = False
+        _check_factor("growth_factor", growth_factor, growth_factor > 1.0, "a float > 1.0")
+        _check_factor("backoff_factor", backoff_factor, 0.0 < backoff_factor < 1.0, "a float in (0, 1)")
+        _check_factor("growth_interval", growth_interval, isinstance(growth_interval, int) and growth_interval > 0, "an int > 0")
+        _check_factor("hysteresis", hysteresis, isinstance(hysteresis, int) and hysteresis >= 1, "an int >= 1")
+        if min_scale is not None and max_scale is not None:
+            _check_factor("min_scale", min_scale, 0 < min_scale <= max_scale, "0 < min_scale <= max_scale")
+        self._rule = ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+        self._init_scale = float(init_scale)
+        self._init_growth_tracker = 0
+        self._init_hysteresis_tracker = hysteresis
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._allow_fp16_grads = allow_fp16_grads
+        self._process_group = process_group
+        self._per_optimizer_states: defaultdict[int, _OptimizerState] = defaultdict(_OptimizerState)
+        self._skipped_this_iteration: list[torch.Tensor | bool] = []
+        self._last_step_skipped: torch.Tensor | bool | None = None
+        self._history = History()
+
+    # ----------------------------------------------------------------- scale
+    def _lazy_init(self, device: torch.device) -> None:
+        self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+        self._growth_tracker = torch.full((), self._init_growth_tracker, dtype=torch.int32, device=device)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32, device=device)
+
+    def _require_scale(self, funcname: str) -> torch.Tensor:
+        if self._scale is None:
+            raise ScalerStateError(
+                f"GradScaler.{funcname}() called before scale(): there is no scale yet. {_ORDER}"
+            )
+        return self._scale
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply ``outputs`` (a tensor, or nested lists/tuples/dicts of tensors) by the scale."""
+        if not self._enabled:
+            return outputs
+        per_device: dict[torch.device, torch.Tensor] = {}
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                if self._scale is None:
+                    self._lazy_init(value.device)
+                assert self._scale is not None  # set just above
+                scale = per_device.get(value.device)
+                if scale is None:
+                    scale = per_device[value.device] = self._scale.to(device=value.device, non_blocking=True)
+                return value * scale
+            if isinstance(value, dict):
+                return {k: apply(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                items = [apply(v) for v in value]
+                return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+            if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+                return map(apply, value)
+            raise ValueError(
+                _errors.message(
+                    "GradScaler.scale() cannot scale this value",
+                    "outputs must be a tensor or nested lists/tuples/dicts of tensors",
+                    received={"outputs": value},
+                )
+            )
+
+        return apply(outputs)
+
+    # --------------------------------------------------------------- unscale
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
+        """Unscale the optimizer's grads with torch's fused kernel, grouped by device and dtype."""
+        grouped: defaultdict[torch.device, defaultdict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    if not allow_fp16 and param.grad.dtype is torch.float16:
+                        raise ValueError(
+                            _errors.message(
+                                "GradScaler cannot unscale float16 gradients",
+                                "unscaling them in float16 loses the range that loss scaling protects; "
+                                "keep parameters (and so gradients) in float32 and let autocast choose op dtypes",
+                                received={"grad dtype": param.grad.dtype},
+                                fix="If float16 gradients are intended, pass GradScaler(..., allow_fp16_grads=True).",
+                            )
+                        )
+                    grad = _distributed.local(param.grad)
+                    if grad.is_sparse:
+                        # A sparse gradient may hold duplicate indices whose sum overflows: coalesce first.
+                        if grad.dtype is torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    grouped[grad.device][grad.dtype].append(grad)
+            per_device: dict[torch.device, torch.Tensor] = {}
+            for device, per_dtype in grouped.items():
+                device_found_inf = found_inf.to(device, copy=True) if device != found_inf.device else found_inf.clone()
+                device_inv_scale = inv_scale.to(device)
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, device_found_inf, device_inv_scale)
+                per_device[device] = device_found_inf
+        if not per_device:
+            per_device[found_inf.device] = found_inf.clone()
+        for device_found_inf in per_device.values():
+            _distributed.agree(device_found_inf, self._process_group)
+        return per_device
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale (at most once per step), recording inf/NaN."""
+        if not self._enabled:
+            return
+        scale = self._require_scale("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state.stage is _Stage.UNSCALED:
+            raise ScalerStateError(f"unscale_() has already been called on this optimizer since the last update(). {_ORDER}")
+        if state.stage is _Stage.STEPPED:
+            raise ScalerStateError(f"unscale_() is being called after step(). {_ORDER}")
+        inv_scale = scale.double().reciprocal().float()
+        found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        state.found_inf_per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, self._allow_fp16_grads)
+        state.stage = _Stage.UNSCALED
+
+    # ------------------------------------------------------------------ step
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale if needed, then run ``optimizer.step`` unless an inf/NaN was found.
+
+        Returns what ``optimizer.step`` returned, or None if the step was skipped;
+        :attr:`last_step_skipped` tells which.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scale = self._require_scale("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state.stage is _Stage.STEPPED:
+            raise ScalerStateError(f"step() has already been called since the last update(). {_ORDER}")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._fused_step(optimizer, state, scale, args, kwargs)
+        if state.stage is _Stage.READY:
+            self.unscale_(optimizer)
+        found = sum(v.item() for v in state.found_inf_per_device.values())
+        skipped = bool(found)
+        retval = None if skipped else optimizer.step(*args, **kwargs)
+        state.stage = _Stage.STEPPED
+        self._skipped_this_iteration.append(skipped)
+        return retval
+
+    def _fused_step(
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, scale: torch.Tensor, args: Any, kwargs: Any
+    ) -> Any:
+        """Optimizers that unscale and skip inside their own kernels get grad_scale and found_inf."""
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            warnings.warn(
+                "GradScaler passes itself to optimizer.step(grad_scaler=...) for this optimizer; that contract is "
+                "deprecated in torch in favour of the grad_scale / found_inf attributes.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            retval = optimizer.step(*args, **kwargs, grad_scaler=self)
+            state.stage = _Stage.STEPPED
+            return retval
+        if state.stage is _Stage.READY:
+            dummy_inv_scale = torch.full((), 1.0, dtype=torch.float32, device=scale.device)
+            found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+            state.found_inf_per_device = self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True)
+        found_inf = sum(t.to(scale.device, non_blocking=True) for t in state.found_inf_per_device.values())
+        previous = getattr(optimizer, "grad_scale", None)
+        optimizer.grad_scale = previous if state.stage is _Stage.UNSCALED else scale * (1 if previous is None else previous)  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale  # type: ignore[attr-defined]
+            del optimizer.found_inf  # type: ignore[attr-defined]
+        state.stage = _Stage.STEPPED
+        self._skipped_this_iteration.append(found_inf > 0)  # stays on device: no sync
+        return retval
+
+    # ---------------------------------------------------------------- update
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Update the scale: back off after an inf/NaN step, grow after enough finite ones.
+
+        Args:
+            new_scale: Set the scale to this float or one-element tensor instead.
+        """
+        if not self._enabled:
+            return
+        scale = self._require_scale("update")
+        assert self._growth_tracker is not None and self._hysteresis_tracker is not None  # made with the scale
+        if new_scale is not None:
+            if isinstance(new_scale, float):
+                scale.fill_(new_scale)
+            elif isinstance(new_scale, torch.Tensor) and new_scale.numel() == 1 and not new_scale.requires_grad:
+                scale.copy_(new_scale)
+            else:
+                raise ValueError(
+                    _errors.message(
+                        "GradScaler.update(new_scale) is invalid",
+                        "new_scale must be a float or a one-element tensor that does not require grad",
+                        received={"new_scale": new_scale},
+                    )
+                )
+        else:
+            found_infs = [
+                found_inf.to(device=scale.device, non_blocking=True)
+                for state in self._per_optimizer_states.values()
+                for found_inf in state.found_inf_per_device.values()
+            ]
+            if not found_infs:
+                raise ScalerStateError(f"update() called with no inf checks recorded in this iteration. {_ORDER}")
+            found_inf_combined = found_infs[0]
+            for other in found_infs[1:]:
+                found_inf_combined = found_inf_combined + other
+            self._rule.apply(scale, self._growth_tracker, self._hysteresis_tracker, found_inf_combined)
+        skipped = self._skipped_this_iteration
+        self._last_step_skipped = _any(skipped) if skipped else None
+        self._history.append(scale, False if self._last_step_skipped is None else self._last_step_skipped)
+        self._skipped_this_iteration = []
+        self._per_optimizer_states = defaultdict(_OptimizerState)
+
+    # ------------------------------------------------------- skipped steps, log
+    @property
+    def last_step_skipped(self) -> bool | None:
+        """Whether the last iteration's ``step`` was skipped for inf/NaN gradients.
+
+        Known after ``update()``; None before the first update (or when no step
+        ran). Step an LR scheduler only when this is False::
+
+            scaler.step(optimizer)
+            scaler.update()
+            if not scaler.last_step_skipped:
+                scheduler.step()
+        """
+        value = self._last_step_skipped
+        if isinstance(value, torch.Tensor):
+            value = self._last_step_skipped = bool(value.item())
+        return value
+
+    @property
+    def history(self) -> list[ScaleRecord]:
+        """Every ``update()`` so far: step number, scale after it, whether its step was skipped."""
+        return self._history.records()
+
+    def scale_events(self) -> list[ScaleRecord]:
+        """The updates that changed the scale or skipped a step: what a training log wants."""
+        return self._history.events()
+
+    # ------------------------------------------------------ getters, setters
+    def get_scale(self) -> float:
+        """The current scale as a Python float (syncs), or 1.0 if disabled."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def get_growth_factor(self) -> float:
+        return self._rule.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        _check_factor("growth_factor", new_factor, new_factor > 1.0, "a float > 1.0")
+        self._rule = dataclasses.replace(self._rule, growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self._rule.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        _check_factor("backoff_factor", new_factor, 0.0 < new_factor < 1.0, "a float in (0, 1)")
+        self._rule = dataclasses.replace(self._rule, backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self._rule.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        _check_factor("growth_interval", new_interval, isinstance(new_interval, int) and new_interval > 0, "an int > 0")
+        self._rule = dataclasses.replace(self._rule, growth_interval=new_interval)
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+
+    def _get_hysteresis_tracker(self) -> int:
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    # ------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """Every field needed to resume, trackers included; empty if disabled."""
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._rule.growth_factor,
+            "backoff_factor": self._rule.backoff_factor,
+            "growth_interval": self._rule.growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+            "hysteresis": self._rule.hysteresis,
+            "min_scale": self._rule.min_scale,
+            "max_scale": self._rule.max_scale,
+            "_hysteresis_tracker": self._get_hysteresis_tracker(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict` (also one saved by torch.amp.GradScaler)."""
+        if not self._enabled:
+            return
+        if not state_dict:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+            )
+        self._rule = ScaleRule(
+            float(state_dict["growth_factor"]),
+            float(state_dict["backoff_factor"]),
+            int(state_dict["growth_interval"]),
+            int(state_dict.get("hysteresis", 1)),
+            state_dict.get("min_scale"),
+            state_dict.get("max_scale"),
+        )
+        self._init_scale = float(state_dict["scale"])
+        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._rule.hysteresis))
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+        if self._growth_tracker is not None:
+            self._growth_tracker.fill_(self._init_growth_tracker)
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if self._per_optimizer_states:
+                raise ScalerStateError(
+                    "A GradScaler may only be pickled at the beginning of an iteration, or at the end after "
+                    "scaler.update(): it holds per-optimizer state mid-iteration."
+                )
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"GradScaler(device={self._device!r}, enabled={self._enabled}, rule={self._rule})"
+
+
+def _any(flags: list[torch.Tensor | bool]) -> torch.Tensor | bool:
+    """Whether any flag is set; stays a device tensor (no sync) if any flag is one."""
+    tensors = [f for f in flags if isinstance(f, torch.Tensor)]
+    plain = any(f for f in flags if not isinstance(f, torch.Tensor))
+    if not tensors:
+        return plain
+    combined = torch.stack([t.reshape(()) for t in tensors]).any()
+    return combined | plain

@@ -1,0 +1,74 @@
+"""The loss-scale update rule, on device tensors, with no host sync.
+
+With ``hysteresis == 1`` and no bounds this is exactly torch's rule and runs
+torch's fused kernel ``torch._amp_update_scale_``. Otherwise it is Megatron-LM's
+DynamicGradScaler rule::
+
+    if found_inf:
+        growth_tracker = 0
+        hysteresis_tracker -= 1
+        if hysteresis_tracker <= 0:
+            scale = max(scale * backoff_factor, min_scale)
+    else:
+        growth_tracker += 1
+        if growth_tracker == growth_interval:
+            growth_tracker = 0
+            hysteresis_tracker = hysteresis
+            if isfinite(scale * growth_factor):
+                scale = min(scale * growth_factor, max_scale)
+
+Products are formed in float64 and rounded to float32, as torch's kernel does
+(``float * double``), so that the two paths agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleRule:
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int = 1
+    min_scale: float | None = None
+    max_scale: float | None = None
+
+    @property
+    def is_torch_rule(self) -> bool:
+        return self.hysteresis == 1 and self.min_scale is None and self.max_scale is None
+
+    def apply(
+        self,
+        scale: torch.Tensor,
+        growth_tracker: torch.Tensor,
+        hysteresis_tracker: torch.Tensor,
+        found_inf: torch.Tensor,
+    ) -> None:
+        """Update ``scale``, ``growth_tracker`` and ``hysteresis_tracker`` in place."""
+        if self.is_torch_rule:
+            torch._amp_update_scale_(
+                scale, growth_tracker, found_inf, self.growth_factor, self.backoff_factor, self.growth_interval
+            )
+            return
+        found = found_inf > 0
+        hysteresis_left = torch.where(found, (hysteresis_tracker - 1).clamp(min=0), hysteresis_tracker)
+        backed_off = (scale.double() * self.backoff_factor).float()
+        if self.min_scale is not None:
+            backed_off = torch.clamp(backed_off, min=self.min_scale)
+        successful = growth_tracker + 1
+        grow = ~found & (successful == self.growth_interval)
+        grown = (scale.double() * self.growth_factor).float()
+        grown_ok = torch.isfinite(grown)
+        if self.max_scale is not None:
+            grown = torch.clamp(grown, max=self.max_scale)
+        new_scale = torch.where(found & (hysteresis_left <= 0), backed_off, scale)
+        new_scale = torch.where(grow & grown_ok, grown, new_scale)
+        new_growth = torch.where(found | grow, torch.zeros_like(successful), successful)
+        new_hysteresis = torch.where(grow, torch.full_like(hysteresis_left, self.hysteresis), hysteresis_left)
+        scale.copy_(new_scale)
+        growth_tracker.copy_(new_growth)
+        hysteresis_tracker.copy_(new_hysteresis)
