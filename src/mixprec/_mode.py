@@ -16,6 +16,7 @@ runs each op in the dtype its forward used.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -62,13 +63,60 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return kwargs.get("input", kwargs.get("self"))
 
 
+@functools.cache
+def _dtype_position(func: Callable[..., Any]) -> int | None:
+    """Where a builtin takes ``dtype`` positionally (``softmax(input, dim, dtype)``), from its ATen schemas."""
+    name = getattr(func, "__name__", "")
+    packet = getattr(torch.ops.aten, name, None) if name and not name.startswith("__") else None
+    if packet is None:
+        return None
+    positions = set()
+    for overload in packet.overloads():
+        positional = [a.name for a in getattr(packet, overload)._schema.arguments if not a.kwarg_only]
+        if "dtype" in positional:
+            positions.add(positional.index("dtype"))
+    return positions.pop() if len(positions) == 1 else None
+
+
+def _aten_with_fp32_dtype(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Call an op reached through ``torch.ops.aten`` with dtype=float32.
+
+    The overload is the one the call resolves to or, when that one has no
+    ``dtype`` (``norm.Scalar``), its sibling that adds it (``norm.ScalarOpt_dtype``),
+    as ATen's ``fp32_append_dtype`` redispatches.
+    """
+    packet = func.overloadpacket if isinstance(func, torch._ops.OpOverload) else func
+    if func is packet:
+        func = getattr(packet, torch._C._jit_resolve_packet(packet._qualified_op_name, *args, **kwargs))
+    arguments = func._schema.arguments
+    names = [a.name for a in arguments]
+    values = {**dict(zip(names, args, strict=False)), **kwargs}
+    values.update((a.name, a.default_value) for a in arguments if a.name not in values and a.has_default_value())
+    if "dtype" not in names:
+        siblings = (getattr(packet, o) for o in packet.overloads())
+        func = next((o for o in siblings if [a.name for a in o._schema.arguments] == [*names, "dtype"]), None)
+        if func is None:
+            raise RuntimeError(f"autocast: {packet} has no overload that takes dtype to run in float32.")
+    values["dtype"] = _float32
+    positional = [values.pop(a.name) for a in func._schema.arguments if not a.kwarg_only]
+    return func(*positional, **values)
+
+
 def _with_fp32_dtype(ctx: Context, state: ThreadState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """fp32_set_opt_dtype and fp32_append_dtype: run with dtype=float32 if the first input is eligible."""
+    """fp32_set_opt_dtype and fp32_append_dtype: run with dtype=float32 if the first input is eligible.
+
+    As ATen's ``set_opt_dtype``, a ``dtype`` passed as None, also positionally, is replaced.
+    """
     first = _first_tensor(args, kwargs)
     if _explicit_dtype_or_out(args, kwargs) or not (
         isinstance(first, _Tensor) and _cast.is_eligible(first, ctx.device_type)
     ):
         return func(*args, **kwargs)
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return _aten_with_fp32_dtype(func, args, kwargs)
+    at = _dtype_position(func)
+    if at is not None and len(args) > at and args[at] is None:
+        return func(*args[:at], _float32, *args[at + 1 :], **kwargs)
     return func(*args, **{**kwargs, "dtype": _float32})
 
 

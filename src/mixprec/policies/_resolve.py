@@ -3,13 +3,16 @@
 An op is named as in ATen or in torch's AMP docs: ``softmax``, ``linalg_inv``,
 ``fft_rfft``, ``__rtruediv__``. Every namespace that exposes it counts:
 ``torch.X``, ``torch.nn.functional.X`` / ``torch._C._nn.X``, ``torch.linalg``,
-``torch.fft``, ``torch.special``, and ``torch.Tensor`` methods.
+``torch.fft``, ``torch.special``, ``torch.Tensor`` methods, and ``torch.ops.aten.X``
+with each of its overloads (native autocast sits in the dispatcher, so it also
+casts calls made through ``torch.ops.aten``).
 
 Algorithm::
 
     builtins = [getattr(ns, name) for each C namespace that has it]
-    if builtins: return builtins          # Python wrappers are expanded by the mode
-    return [Python-level functions with that name]   # e.g. F.cross_entropy, Tensor.__rpow__
+    aten = [torch.ops.aten.name, *its overloads]      # if ATen has the op
+    if builtins: return builtins + aten   # Python wrappers are expanded by the mode
+    return [Python-level functions with that name] + aten   # e.g. F.cross_entropy, Tensor.__rpow__
 
 Builtins map one to one onto ATen ops; Python composites over them are run with
 their inner calls intercepted, so they need no entry of their own.
@@ -53,20 +56,31 @@ def _unique(found: list[object]) -> tuple[Callable[..., object], ...]:
     return tuple(out)
 
 
+def _aten(name: str) -> list[object]:
+    """``torch.ops.aten.<name>`` and its overloads, or nothing if ATen has no such op."""
+    if name.startswith("__"):
+        return []
+    packet = getattr(torch.ops.aten, name, None)
+    if packet is None:
+        return []
+    return [packet, *(getattr(packet, overload) for overload in packet.overloads())]
+
+
 @functools.cache
 def callables(name: str) -> tuple[Callable[..., object], ...]:
     """All callables that reach the op ``name`` (empty if torch has none)."""
     name = name.strip()
     builtins = [getattr(ns, name, None) for ns in _c_namespaces()]
     builtins = [f for f in builtins if isinstance(f, _BUILTIN_TYPES)]
+    aten = _aten(name)
     if builtins and not (name.startswith("__") and name.endswith("__")):
-        return _unique(builtins)
+        return _unique(builtins + aten)
     wrappers = []
     for prefix, namespace in _python_namespaces():
         if name.startswith(prefix):
             wrappers.append(getattr(namespace, name[len(prefix):], None))
     wrappers = [f for f in wrappers if isinstance(f, types.FunctionType)]
-    return _unique(builtins + wrappers)
+    return _unique(builtins + wrappers + aten)
 
 
 def name_of(func: Callable[..., object]) -> str:
