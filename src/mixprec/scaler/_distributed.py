@@ -12,6 +12,8 @@ import torch
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    if type(t) is torch.Tensor:  # the common case, once per gradient per step: no attribute lookup
+        return t
     to_local = getattr(t, "to_local", None)
     if to_local is not None and type(t).__name__ == "DTensor":
         return to_local()  # type: ignore[no-any-return]
@@ -22,8 +24,23 @@ def _initialized() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
-def agree(found_inf: torch.Tensor, group: object | None) -> None:
-    """All-reduce ``found_inf`` (MAX) in place across ``group`` if distributed is running."""
-    if group is False or not _initialized():
+def active(group: object | None) -> bool:
+    """Whether ranks agree on found_inf: distributed is running and agreement is not turned off."""
+    return group is not False and _initialized()
+
+
+def agree(found_inf: torch.Tensor, group: object | None, via: torch.device | None = None) -> None:
+    """All-reduce ``found_inf`` (MAX) in place across ``group`` if distributed is running.
+
+    ``via`` is the scaler's device: a flag on another device (CPU-offloaded
+    gradients, FSDP's ``CPUOffload``) is reduced through a copy there, since a
+    NCCL group cannot reduce CPU tensors. torch's ShardedGradScaler does the same.
+    """
+    if not active(group):
         return
-    torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
+    if via is None or found_inf.device == via:
+        torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
+        return
+    moved = found_inf.to(via)
+    torch.distributed.all_reduce(moved, op=torch.distributed.ReduceOp.MAX, group=group)  # type: ignore[arg-type]
+    found_inf.copy_(moved)

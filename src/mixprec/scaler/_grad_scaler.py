@@ -26,17 +26,9 @@ import torch
 from mixprec import _devices, _errors
 from mixprec.scaler import _distributed
 from mixprec.scaler._history import History, ScaleRecord
-from mixprec.scaler._rule import ScaleRule
+from mixprec.scaler._settings import ORDER, ScalerSettings, ScalerStateError, make_rule
 
-_ORDER = "Call scaler.scale(loss).backward(), then unscale_(optimizer) (optional), step(optimizer), update()."
-
-
-class ScalerStateError(RuntimeError, AssertionError):
-    """A GradScaler method was called out of order.
-
-    Subclasses AssertionError too, so code written against torch's GradScaler
-    (which asserts in some of these cases) still catches it.
-    """
+__all__ = ["GradScaler", "ScaleRecord", "ScalerStateError"]
 
 
 class _Stage(enum.Enum):
@@ -51,12 +43,7 @@ class _OptimizerState:
     found_inf_per_device: dict[torch.device, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
-def _check_factor(name: str, value: object, ok: bool, expected: str) -> None:
-    if not ok:
-        raise ValueError(_errors.message(f"GradScaler {name} is invalid", "it is out of range", received={name: value}, expected=expected))
-
-
-class GradScaler:
+class GradScaler(ScalerSettings):
     """Dynamic loss scaling for float16 training; torch.amp.GradScaler's API plus
     Megatron-style ``hysteresis``, ``min_scale`` and ``max_scale``.
 
@@ -102,7 +89,9 @@ class GradScaler:
     ) -> None:
         spec = _devices.spec(device)
         if not isinstance(enabled, bool):
-            raise TypeError(_errors.message("GradScaler enabled is invalid", "it must be a bool", received={"enabled": enabled}))
+            raise TypeError(
+                _errors.message("GradScaler enabled is invalid", "it must be a bool", received={"enabled": enabled})
+            )
         self._device = device
         self._enabled = enabled
         if enabled and not spec.available():
@@ -111,13 +100,7 @@ class GradScaler:
                 _errors.AutocastDisabledWarning,
             )
             self._enabled = False
-        _check_factor("growth_factor", growth_factor, growth_factor > 1.0, "a float > 1.0")
-        _check_factor("backoff_factor", backoff_factor, 0.0 < backoff_factor < 1.0, "a float in (0, 1)")
-        _check_factor("growth_interval", growth_interval, isinstance(growth_interval, int) and growth_interval > 0, "an int > 0")
-        _check_factor("hysteresis", hysteresis, isinstance(hysteresis, int) and hysteresis >= 1, "an int >= 1")
-        if min_scale is not None and max_scale is not None:
-            _check_factor("min_scale", min_scale, 0 < min_scale <= max_scale, "0 < min_scale <= max_scale")
-        self._rule = ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+        self._rule = make_rule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
         self._init_scale = float(init_scale)
         self._init_growth_tracker = 0
         self._init_hysteresis_tracker = hysteresis
@@ -139,9 +122,7 @@ class GradScaler:
 
     def _require_scale(self, funcname: str) -> torch.Tensor:
         if self._scale is None:
-            raise ScalerStateError(
-                f"GradScaler.{funcname}() called before scale(): there is no scale yet. {_ORDER}"
-            )
+            raise ScalerStateError(f"GradScaler.{funcname}() called before scale(): there is no scale yet. {ORDER}")
         return self._scale
 
     def scale(self, outputs: Any) -> Any:
@@ -213,10 +194,13 @@ class GradScaler:
                 for grads in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, device_found_inf, device_inv_scale)
                 per_device[device] = device_found_inf
-        if not per_device:
+        if not per_device and _distributed.active(self._process_group):
+            # No local grads on this rank (e.g. an empty FSDP shard): still join the all-reduce, as
+            # torch's ShardedGradScaler does. Without ranks to agree with, torch records nothing and
+            # step() raises.
             per_device[found_inf.device] = found_inf.clone()
         for device_found_inf in per_device.values():
-            _distributed.agree(device_found_inf, self._process_group)
+            _distributed.agree(device_found_inf, self._process_group, via=found_inf.device)
         return per_device
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -226,9 +210,11 @@ class GradScaler:
         scale = self._require_scale("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state.stage is _Stage.UNSCALED:
-            raise ScalerStateError(f"unscale_() has already been called on this optimizer since the last update(). {_ORDER}")
+            raise ScalerStateError(
+                f"unscale_() has already been called on this optimizer since the last update(). {ORDER}"
+            )
         if state.stage is _Stage.STEPPED:
-            raise ScalerStateError(f"unscale_() is being called after step(). {_ORDER}")
+            raise ScalerStateError(f"unscale_() is being called after step(). {ORDER}")
         inv_scale = scale.double().reciprocal().float()
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
         state.found_inf_per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, self._allow_fp16_grads)
@@ -248,11 +234,16 @@ class GradScaler:
         scale = self._require_scale("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state.stage is _Stage.STEPPED:
-            raise ScalerStateError(f"step() has already been called since the last update(). {_ORDER}")
+            raise ScalerStateError(f"step() has already been called since the last update(). {ORDER}")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             return self._fused_step(optimizer, state, scale, args, kwargs)
         if state.stage is _Stage.READY:
             self.unscale_(optimizer)
+        if not state.found_inf_per_device:
+            raise ScalerStateError(
+                "step() found no inf checks recorded for this optimizer: none of its parameters has a gradient. "
+                f"{ORDER}"
+            )
         found = sum(v.item() for v in state.found_inf_per_device.values())
         skipped = bool(found)
         retval = None if skipped else optimizer.step(*args, **kwargs)
@@ -271,16 +262,29 @@ class GradScaler:
                 FutureWarning,
                 stacklevel=3,
             )
-            retval = optimizer.step(*args, **kwargs, grad_scaler=self)
+            kwargs["grad_scaler"] = self
+            retval = optimizer.step(*args, **kwargs)
             state.stage = _Stage.STEPPED
             return retval
         if state.stage is _Stage.READY:
             dummy_inv_scale = torch.full((), 1.0, dtype=torch.float32, device=scale.device)
-            found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
-            state.found_inf_per_device = self._unscale_grads_(optimizer, dummy_inv_scale, found_inf, True)
-        found_inf = sum(t.to(scale.device, non_blocking=True) for t in state.found_inf_per_device.values())
+            zero = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+            state.found_inf_per_device = self._unscale_grads_(optimizer, dummy_inv_scale, zero, True)
+        if not state.found_inf_per_device and _has_grads(optimizer):
+            # unscale_() saw no grads, but some appeared since: they were never checked (torch fails
+            # inside the optimizer's kernel on the int found_inf below).
+            raise ScalerStateError(
+                "step() found no inf checks recorded for this optimizer, but it has gradients now: they were "
+                f"produced after unscale_(). {ORDER}"
+            )
+        # sum() of no tensors is the int 0, as in torch (an optimizer without grads, whose step does nothing).
+        found_inf: torch.Tensor | int = sum(
+            t.to(scale.device, non_blocking=True) for t in state.found_inf_per_device.values()
+        )
         previous = getattr(optimizer, "grad_scale", None)
-        optimizer.grad_scale = previous if state.stage is _Stage.UNSCALED else scale * (1 if previous is None else previous)  # type: ignore[attr-defined]
+        # Already unscaled: keep the user's grad_scale (if any); otherwise hand over the product.
+        grad_scale = previous if state.stage is _Stage.UNSCALED else scale * (1 if previous is None else previous)
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
         optimizer.found_inf = found_inf  # type: ignore[attr-defined]
         try:
             retval = optimizer.step(*args, **kwargs)
@@ -305,13 +309,18 @@ class GradScaler:
         if new_scale is not None:
             if isinstance(new_scale, float):
                 scale.fill_(new_scale)
-            elif isinstance(new_scale, torch.Tensor) and new_scale.numel() == 1 and not new_scale.requires_grad:
+            elif (
+                isinstance(new_scale, torch.Tensor)
+                and new_scale.numel() == 1
+                and not new_scale.requires_grad
+                and new_scale.device.type == self._device
+            ):
                 scale.copy_(new_scale)
             else:
                 raise ValueError(
                     _errors.message(
                         "GradScaler.update(new_scale) is invalid",
-                        "new_scale must be a float or a one-element tensor that does not require grad",
+                        f"new_scale must be a float or a one-element {self._device} tensor that does not require grad",
                         received={"new_scale": new_scale},
                     )
                 )
@@ -322,7 +331,7 @@ class GradScaler:
                 for found_inf in state.found_inf_per_device.values()
             ]
             if not found_infs:
-                raise ScalerStateError(f"update() called with no inf checks recorded in this iteration. {_ORDER}")
+                raise ScalerStateError(f"update() called with no inf checks recorded in this iteration. {ORDER}")
             found_inf_combined = found_infs[0]
             for other in found_infs[1:]:
                 found_inf_combined = found_inf_combined + other
@@ -360,107 +369,6 @@ class GradScaler:
         """The updates that changed the scale or skipped a step: what a training log wants."""
         return self._history.events()
 
-    # ------------------------------------------------------ getters, setters
-    def get_scale(self) -> float:
-        """The current scale as a Python float (syncs), or 1.0 if disabled."""
-        if not self._enabled:
-            return 1.0
-        return self._init_scale if self._scale is None else float(self._scale.item())
-
-    def get_growth_factor(self) -> float:
-        return self._rule.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        _check_factor("growth_factor", new_factor, new_factor > 1.0, "a float > 1.0")
-        self._rule = dataclasses.replace(self._rule, growth_factor=new_factor)
-
-    def get_backoff_factor(self) -> float:
-        return self._rule.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        _check_factor("backoff_factor", new_factor, 0.0 < new_factor < 1.0, "a float in (0, 1)")
-        self._rule = dataclasses.replace(self._rule, backoff_factor=new_factor)
-
-    def get_growth_interval(self) -> int:
-        return self._rule.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        _check_factor("growth_interval", new_interval, isinstance(new_interval, int) and new_interval > 0, "an int > 0")
-        self._rule = dataclasses.replace(self._rule, growth_interval=new_interval)
-
-    def _get_growth_tracker(self) -> int:
-        if not self._enabled:
-            return 0
-        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
-
-    def _get_hysteresis_tracker(self) -> int:
-        if self._hysteresis_tracker is None:
-            return self._init_hysteresis_tracker
-        return int(self._hysteresis_tracker.item())
-
-    def is_enabled(self) -> bool:
-        return self._enabled
-
-    # ------------------------------------------------------------ persistence
-    def state_dict(self) -> dict[str, Any]:
-        """Every field needed to resume, trackers included; empty if disabled."""
-        if not self._enabled:
-            return {}
-        return {
-            "scale": self.get_scale(),
-            "growth_factor": self._rule.growth_factor,
-            "backoff_factor": self._rule.backoff_factor,
-            "growth_interval": self._rule.growth_interval,
-            "_growth_tracker": self._get_growth_tracker(),
-            "hysteresis": self._rule.hysteresis,
-            "min_scale": self._rule.min_scale,
-            "max_scale": self._rule.max_scale,
-            "_hysteresis_tracker": self._get_hysteresis_tracker(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict` (also one saved by torch.amp.GradScaler)."""
-        if not self._enabled:
-            return
-        if not state_dict:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
-            )
-        self._rule = ScaleRule(
-            float(state_dict["growth_factor"]),
-            float(state_dict["backoff_factor"]),
-            int(state_dict["growth_interval"]),
-            int(state_dict.get("hysteresis", 1)),
-            state_dict.get("min_scale"),
-            state_dict.get("max_scale"),
-        )
-        self._init_scale = float(state_dict["scale"])
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._rule.hysteresis))
-        if self._scale is not None:
-            self._scale.fill_(self._init_scale)
-        if self._growth_tracker is not None:
-            self._growth_tracker.fill_(self._init_growth_tracker)
-        if self._hysteresis_tracker is not None:
-            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        if self._enabled:
-            if self._per_optimizer_states:
-                raise ScalerStateError(
-                    "A GradScaler may only be pickled at the beginning of an iteration, or at the end after "
-                    "scaler.update(): it holds per-optimizer state mid-iteration."
-                )
-            state["_init_scale"] = self.get_scale()
-            state["_init_growth_tracker"] = self._get_growth_tracker()
-            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
-            state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
     def __repr__(self) -> str:
         return f"GradScaler(device={self._device!r}, enabled={self._enabled}, rule={self._rule})"
 
@@ -473,3 +381,7 @@ def _any(flags: list[torch.Tensor | bool]) -> torch.Tensor | bool:
         return plain
     combined = torch.stack([t.reshape(()) for t in tensors]).any()
     return combined | plain
+
+
+def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])

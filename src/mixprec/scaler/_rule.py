@@ -1,13 +1,14 @@
 """The loss-scale update rule, on device tensors, with no host sync.
 
 With ``hysteresis == 1`` and no bounds this is exactly torch's rule and runs
-torch's fused kernel ``torch._amp_update_scale_``. Otherwise it is Megatron-LM's
+torch's fused kernel ``torch._amp_update_scale_`` (which leaves the hysteresis
+tracker alone: with hysteresis 1 its value makes no difference). Otherwise it is Megatron-LM's
 DynamicGradScaler rule::
 
     if found_inf:
         growth_tracker = 0
-        hysteresis_tracker -= 1
-        if hysteresis_tracker <= 0:
+        hysteresis_tracker = max(hysteresis_tracker - 1, 0)
+        if hysteresis_tracker == 0:
             scale = max(scale * backoff_factor, min_scale)
     else:
         growth_tracker += 1
@@ -16,6 +17,10 @@ DynamicGradScaler rule::
             hysteresis_tracker = hysteresis
             if isfinite(scale * growth_factor):
                 scale = min(scale * growth_factor, max_scale)
+
+Megatron lets ``hysteresis_tracker`` go negative; stopping it at 0 gives the
+same scales and keeps the int32 tracker from wrapping. ``max_scale`` and the
+``isfinite`` guard (torch's) are mixprec's additions to Megatron's rule.
 
 Products are formed in float64 and rounded to float32, as torch's kernel does
 (``float * double``), so that the two paths agree bit for bit.

@@ -1,0 +1,210 @@
+"""GradScaler's settings and persistence: validated factors, getters and setters,
+``state_dict`` / ``load_state_dict``, and pickling.
+
+Kept apart from the per-iteration state machine in ``_grad_scaler``; GradScaler
+inherits these methods from :class:`ScalerSettings`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from mixprec import _errors
+from mixprec.scaler._rule import ScaleRule
+
+ORDER = "Call scaler.scale(loss).backward(), then unscale_(optimizer) (optional), step(optimizer), update()."
+
+
+class ScalerStateError(RuntimeError, AssertionError):
+    """A GradScaler method was called out of order.
+
+    Subclasses AssertionError too, so code written against torch's GradScaler
+    (which asserts in some of these cases) still catches it.
+    """
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(name: str, value: object, ok: bool, expected: str, *, integral: bool = False) -> None:
+    """Raise TypeError for a non-number (or non-int), ValueError for a number out of range."""
+    if not (isinstance(value, int) and not isinstance(value, bool) if integral else _is_real(value)):
+        raise TypeError(
+            _errors.message(
+                f"GradScaler {name} is invalid", "it has the wrong type", received={name: value}, expected=expected
+            )
+        )
+    if not ok:
+        raise ValueError(
+            _errors.message(
+                f"GradScaler {name} is invalid", "it is out of range", received={name: value}, expected=expected
+            )
+        )
+
+
+def check_growth_factor(value: Any) -> None:
+    _check("growth_factor", value, _is_real(value) and value > 1.0, "a float > 1.0")
+
+
+def check_backoff_factor(value: Any) -> None:
+    _check("backoff_factor", value, _is_real(value) and 0.0 < value < 1.0, "a float in (0, 1)")
+
+
+def check_growth_interval(value: Any) -> None:
+    _check("growth_interval", value, _is_real(value) and value > 0, "an int > 0", integral=True)
+
+
+def make_rule(
+    growth_factor: Any,
+    backoff_factor: Any,
+    growth_interval: Any,
+    hysteresis: Any = 1,
+    min_scale: Any = None,
+    max_scale: Any = None,
+) -> ScaleRule:
+    """A :class:`ScaleRule` from user-given values, each checked (TypeError / ValueError naming it)."""
+    check_growth_factor(growth_factor)
+    check_backoff_factor(backoff_factor)
+    check_growth_interval(growth_interval)
+    _check("hysteresis", hysteresis, _is_real(hysteresis) and hysteresis >= 1, "an int >= 1", integral=True)
+    for name, bound in (("min_scale", min_scale), ("max_scale", max_scale)):
+        if bound is not None:
+            _check(name, bound, _is_real(bound) and bound > 0 and not math.isnan(bound), "None or a float > 0")
+    if min_scale is not None and max_scale is not None:
+        _check("min_scale", min_scale, min_scale <= max_scale, f"min_scale <= max_scale (max_scale={max_scale})")
+    return ScaleRule(
+        float(growth_factor),
+        float(backoff_factor),
+        growth_interval,
+        hysteresis,
+        None if min_scale is None else float(min_scale),
+        None if max_scale is None else float(max_scale),
+    )
+
+
+class ScalerSettings:
+    """Getters, setters, state_dict and pickling for :class:`~mixprec.GradScaler`."""
+
+    _enabled: bool
+    _rule: ScaleRule
+    _init_scale: float
+    _init_growth_tracker: int
+    _init_hysteresis_tracker: int
+    _scale: torch.Tensor | None
+    _growth_tracker: torch.Tensor | None
+    _hysteresis_tracker: torch.Tensor | None
+    _per_optimizer_states: dict[int, Any]
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (syncs), or 1.0 if disabled."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def get_growth_factor(self) -> float:
+        return self._rule.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        check_growth_factor(new_factor)
+        self._rule = dataclasses.replace(self._rule, growth_factor=float(new_factor))
+
+    def get_backoff_factor(self) -> float:
+        return self._rule.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        check_backoff_factor(new_factor)
+        self._rule = dataclasses.replace(self._rule, backoff_factor=float(new_factor))
+
+    def get_growth_interval(self) -> int:
+        return self._rule.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        check_growth_interval(new_interval)
+        self._rule = dataclasses.replace(self._rule, growth_interval=new_interval)
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        return self._init_growth_tracker if self._growth_tracker is None else int(self._growth_tracker.item())
+
+    def _get_hysteresis_tracker(self) -> int:
+        if self._hysteresis_tracker is None:
+            return self._init_hysteresis_tracker
+        return int(self._hysteresis_tracker.item())
+
+    # ------------------------------------------------------------ persistence
+    def state_dict(self) -> dict[str, Any]:
+        """Every field needed to resume, trackers included; empty if disabled.
+
+        torch.amp.GradScaler's five keys, plus ``hysteresis``, ``min_scale``,
+        ``max_scale`` and ``_hysteresis_tracker`` (which torch ignores on load).
+        """
+        if not self._enabled:
+            return {}
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": self._rule.growth_factor,
+            "backoff_factor": self._rule.backoff_factor,
+            "growth_interval": self._rule.growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+            "hysteresis": self._rule.hysteresis,
+            "min_scale": self._rule.min_scale,
+            "max_scale": self._rule.max_scale,
+            "_hysteresis_tracker": self._get_hysteresis_tracker(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`, or one saved by torch.amp.GradScaler.
+
+        Keys torch does not save (``hysteresis``, ``min_scale``, ``max_scale``)
+        keep this scaler's values when absent.
+        """
+        if not self._enabled:
+            return
+        if not state_dict:
+            raise RuntimeError(
+                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
+            )
+        rule = self._rule
+        self._rule = make_rule(
+            state_dict["growth_factor"],
+            state_dict["backoff_factor"],
+            state_dict["growth_interval"],
+            state_dict.get("hysteresis", rule.hysteresis),
+            state_dict.get("min_scale", rule.min_scale),
+            state_dict.get("max_scale", rule.max_scale),
+        )
+        self._init_scale = float(state_dict["scale"])
+        self._init_growth_tracker = int(state_dict["_growth_tracker"])
+        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._rule.hysteresis))
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+        if self._growth_tracker is not None:
+            self._growth_tracker.fill_(self._init_growth_tracker)
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if self._per_optimizer_states:
+                raise ScalerStateError(
+                    "A GradScaler may only be pickled at the beginning of an iteration, or at the end after "
+                    "scaler.update(): it holds per-optimizer state mid-iteration."
+                )
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_hysteresis_tracker"] = self._get_hysteresis_tracker()
+            state["_scale"] = state["_growth_tracker"] = state["_hysteresis_tracker"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
