@@ -18,6 +18,10 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from mixprec import _shelf
+
 _GATES = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
 
@@ -52,8 +56,21 @@ def _make_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
     return twin
 
 
+def _make_traceable_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    """A twin for torch.compile: its globals are a plain copy (dynamo ignores ``__missing__``)."""
+    made = _make_twin(func)
+    if made is None:
+        return None
+    scope = {**func.__globals__, **{gate: _never for gate in _GATES}}  # type: ignore[attr-defined]
+    traceable = types.FunctionType(made.__code__, scope, made.__name__, made.__defaults__, made.__closure__)
+    traceable.__kwdefaults__ = made.__kwdefaults__
+    return traceable
+
+
 def twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
     """The gate-free twin of a Python composite, or None if it has no gate."""
+    if torch.compiler.is_compiling():
+        return _shelf.fetch(_shelved, func, _make_traceable_twin)
     try:
         return _twins[func]
     except KeyError:
@@ -61,3 +78,6 @@ def twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
         return made
     except TypeError:  # unhashable callable
         return None
+
+
+_shelved = _shelf.Shelf()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixprec import _cast, _expand
+from mixprec import _cast, _compile, _expand, _shelf
 from mixprec._state import Context, ThreadState
 from mixprec.policies import Category, Policy
 
@@ -41,6 +41,8 @@ def _explicit_dtype_or_out(args: tuple[Any, ...], kwargs: dict[str, Any]) -> boo
 
 
 def _cache(ctx: Context, state: ThreadState) -> _cast.Cache | None:
+    if torch.compiler.is_compiling():
+        return None  # a graph computes each cast once anyway; the cache's weakrefs cannot be traced
     return state.cache if ctx.cache_enabled and torch.is_grad_enabled() else None
 
 
@@ -162,23 +164,22 @@ _RULES: dict[Category, Rule] = {
     Category.PROMOTE: _promote,
 }
 
-_compiled: dict[int, tuple[Policy, dict[Callable[..., Any], Rule]]] = {}
+_tables = _shelf.Shelf(limit=256)
 
 
 def rules_for(policy: Policy) -> dict[Callable[..., Any], Rule]:
     """The policy's table compiled to ``{callable: rule}`` (cached per policy object)."""
-    hit = _compiled.get(id(policy))
-    if hit is not None and hit[0] is policy:
-        return hit[1]
+    return _shelf.fetch(_tables, policy, _build)  # type: ignore[no-any-return]
+
+
+def _build(policy: Policy) -> dict[Callable[..., Any], Rule]:
+    _compile.register(policy._by_callable)
     rules: dict[Callable[..., Any], Rule] = {}
     for func, category in policy._by_callable.items():
         if category is Category.BANNED:
             rules[func] = _banned(policy.advice(policy._banned_names[func]))
         else:
             rules[func] = _RULES[category]
-    if len(_compiled) > 256:
-        _compiled.clear()
-    _compiled[id(policy)] = (policy, rules)
     return rules
 
 
