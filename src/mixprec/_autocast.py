@@ -99,10 +99,18 @@ class autocast:  # noqa: N801 - torch's name
     def __call__(self, func: F) -> F:
         @functools.wraps(func)
         def decorate_autocast(*args: Any, **kwargs: Any) -> Any:
-            with self:
+            with self._fresh():
                 return func(*args, **kwargs)
 
         return decorate_autocast  # type: ignore[return-value]
+
+    def _fresh(self) -> autocast:
+        """A new region with these settings, checked already: torch.compile enters only
+        context managers made inside the compiled code, and a decorator's instance is not."""
+        region = autocast.__new__(autocast)
+        region.device, region.fast_dtype, region._cache_enabled = self.device, self.fast_dtype, self._cache_enabled
+        region._policy, region._enabled = self._policy, self._enabled
+        return region
 
     def __repr__(self) -> str:
         return (

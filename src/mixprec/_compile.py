@@ -18,6 +18,8 @@ import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
+
 _BUILTINS = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
 
 
@@ -27,3 +29,12 @@ def register(funcs: Iterable[Callable[..., Any]]) -> None:
 
     known = dynamo_torch.get_overridable_functions()
     known.update(f for f in funcs if isinstance(f, _BUILTINS) and f not in known)
+
+
+def call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` as dynamo can trace it: a Python ``torch.Tensor`` method
+    (``Tensor.unflatten``, which calls ``super()``) is called as a method of its tensor."""
+    name = getattr(func, "__name__", "")
+    if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, name, None) is func:
+        return getattr(args[0], name)(*args[1:], **kwargs)
+    return func(*args, **kwargs)

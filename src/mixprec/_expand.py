@@ -59,11 +59,13 @@ def _make_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
 def _make_traceable_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
     """A twin for torch.compile: its globals are a plain copy (dynamo ignores ``__missing__``)."""
     made = _make_twin(func)
-    if made is None:
+    if made is None or "super" in made.__code__.co_names:  # dynamo cannot trace super() outside its class
         return None
     scope = {**func.__globals__, **{gate: _never for gate in _GATES}}  # type: ignore[attr-defined]
     traceable = types.FunctionType(made.__code__, scope, made.__name__, made.__defaults__, made.__closure__)
     traceable.__kwdefaults__ = made.__kwdefaults__
+    if torch._dynamo.trace_rules.check_file(made.__code__.co_filename, True).skipped:  # torch.functional.norm
+        return torch._dynamo.dont_skip_tracing(traceable)  # type: ignore[no-any-return]
     return traceable
 
 

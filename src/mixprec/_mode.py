@@ -24,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from mixprec import _cast, _compile, _expand, _shelf
+from mixprec import _state
 from mixprec._state import Context, ThreadState
 from mixprec.policies import Category, Policy
 
@@ -65,9 +66,14 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return kwargs.get("input", kwargs.get("self"))
 
 
-@functools.cache
+@torch._dynamo.assume_constant_result
 def _dtype_position(func: Callable[..., Any]) -> int | None:
     """Where a builtin takes ``dtype`` positionally (``softmax(input, dim, dtype)``), from its ATen schemas."""
+    return _schema_dtype_position(func)
+
+
+@functools.cache
+def _schema_dtype_position(func: Callable[..., Any]) -> int | None:
     name = getattr(func, "__name__", "")
     packet = getattr(torch.ops.aten, name, None) if name and not name.startswith("__") else None
     if packet is None:
@@ -195,7 +201,9 @@ class AutocastMode(TorchFunctionMode):
         self._state = state
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        state = self._state
+        # Under torch.compile, read the state through its global: dynamo tracks a region
+        # entered inside the trace on that object, not on this mode's reference to it.
+        state = _state.get() if torch.compiler.is_compiling() else self._state
         contexts = state.contexts
         if kwargs is None:
             kwargs = {}
@@ -211,7 +219,7 @@ class AutocastMode(TorchFunctionMode):
                 raise
         twin = _expand.twin(func)
         if twin is None or (state.expanding and state.expanding[-1] is func):
-            return func(*args, **kwargs)
+            return _compile.call(func, args, kwargs) if torch.compiler.is_compiling() else func(*args, **kwargs)
         if any(t is not _Tensor for t in types):
             return func(*args, **kwargs)  # a tensor subclass handles this composite itself
         state.expanding.append(func)

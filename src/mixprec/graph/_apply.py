@@ -71,8 +71,9 @@ def apply_policy(
             new = rewrite.call(node, pytree.tree_map_only(fx.Node, env.__getitem__, (node.args, node.kwargs)))
         else:
             new = graph.node_copy(node, env.__getitem__)
-            if node.op == "get_attr" and "val" not in node.meta:
-                new.meta["val"] = fake_mode.from_tensor(_attr(gm, node.target))
+            if node.op in ("placeholder", "get_attr"):
+                val = node.meta["val"] if "val" in node.meta else _attr(gm, node.target)
+                new.meta["val"] = _refake(fake_mode, val)
             elif node.op == "call_function":
                 new.meta["val"] = _fake_call(fake_mode, node.target, new.args, new.kwargs, node)
         env[node] = new
@@ -142,7 +143,10 @@ def _widest(tensors: list[fx.Node], node: fx.Node) -> torch.dtype:
 
 def _with_fp32_dtype(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], node: fx.Node) -> Any:
     """The overload that takes ``dtype`` (itself, or its sibling that appends it), called with float32."""
-    names = [a.name for a in target._schema.arguments]
+    arguments = target._schema.arguments
+    names = [a.name for a in arguments]
+    values = {**dict(zip(names, args, strict=False)), **kwargs}
+    values.update((a.name, a.default_value) for a in arguments if a.name not in values and a.has_default_value())
     if "dtype" not in names:
         packet = target.overloadpacket
         siblings = (getattr(packet, o) for o in packet.overloads())
@@ -150,11 +154,9 @@ def _with_fp32_dtype(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
         if found is None:
             raise RuntimeError(f"autocast: {packet} has no overload that takes dtype to run in float32.{_where(node)}")
         target = found
-    positional = [a.name for a in target._schema.arguments if not a.kwarg_only]
-    at = positional.index("dtype") if "dtype" in positional else None
-    if at is not None and len(args) > at:
-        return target, (*args[:at], _float32, *args[at + 1 :]), kwargs
-    return target, args, {**kwargs, "dtype": _float32}
+    values["dtype"] = _float32
+    positional = tuple(values.pop(a.name) for a in target._schema.arguments if not a.kwarg_only)
+    return target, positional, values
 
 
 def _fake_call(fake_mode: Any, target: Callable[..., Any], args: Any, kwargs: Any, node: fx.Node) -> Any:
@@ -174,22 +176,27 @@ def _where(node: fx.Node) -> str:
     return f" (graph node {node.name}, from {last[-1] if last else trace.strip()})"
 
 
-def _fake_mode(gm: fx.GraphModule) -> Any:
-    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
-    mode = torch._guards.detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
-    if mode is None:
-        from torch._subclasses.fake_tensor import FakeTensorMode
+def _refake(fake_mode: Any, val: Any) -> Any:
+    """``val`` as a fake tensor of ``fake_mode`` (export records parameters and inputs in different modes)."""
+    if not isinstance(val, torch.Tensor):
+        return val
+    with fake_mode:
+        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
 
-        if any(v is None for v in vals):
-            raise ValueError(
-                _errors.message(
-                    "apply_policy needs dtypes",
-                    "its placeholders carry no meta['val']",
-                    fix="Trace the graph with torch.export.export or make_fx, which record them.",
-                )
+
+def _fake_mode(gm: fx.GraphModule) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    if any(v is None for v in vals):
+        raise ValueError(
+            _errors.message(
+                "apply_policy needs dtypes",
+                "its placeholders carry no meta['val']",
+                fix="Trace the graph with torch.export.export or make_fx, which record them.",
             )
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
-    return mode
+        )
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 def _attr(gm: fx.GraphModule, target: Any) -> torch.Tensor:

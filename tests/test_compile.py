@@ -1,0 +1,304 @@
+"""mixprec.autocast under torch.compile: no graph break, eager dtypes, guarded state, seed 004's limitations lifted.
+
+Dynamo is where mixprec's rules run under torch.compile, so most cases compile with a
+counting eager backend (fast); the inductor cases check the values end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import mixprec
+
+torch.manual_seed(0)
+LIN = torch.nn.Linear(8, 8)
+X = torch.randn(4, 8)
+BF16 = torch.bfloat16
+
+
+def _dtypes(outputs):
+    return [o.dtype for o in outputs]
+
+
+def _compile(fn, backend="eager"):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def _region_model(x):
+    with mixprec.autocast("cpu"):
+        y = LIN(x)
+        return y, torch.softmax(y, -1), torch.nn.functional.layer_norm(y, (8,)), x + 1
+
+
+def _plain_model(x):
+    y = LIN(x)
+    return y, torch.softmax(y, -1), torch.nn.functional.layer_norm(y, (8,))
+
+
+@pytest.fixture(scope="module")
+def inductor_region():
+    torch._dynamo.reset()
+    return torch.compile(_region_model, fullgraph=True)
+
+
+@pytest.fixture(scope="module")
+def inductor_plain():
+    torch._dynamo.reset()
+    return torch.compile(_plain_model, fullgraph=True)
+
+
+def test_inductor_region_inside_gives_eager_dtypes_and_values(inductor_region):
+    eager = _region_model(X)
+    compiled = inductor_region(X)
+    assert _dtypes(compiled) == _dtypes(eager)
+    assert eager[0].dtype is BF16 and eager[-1].dtype is torch.float32
+    for c, e in zip(compiled, eager):
+        torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+
+
+def test_inductor_region_outside_then_float32_again(inductor_plain):
+    with mixprec.autocast("cpu"):
+        eager = _plain_model(X)
+        inside = inductor_plain(X)
+    assert _dtypes(inside) == _dtypes(eager)
+    for c, e in zip(inside, eager):
+        torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+    assert _dtypes(inductor_plain(X)) == [torch.float32] * 3
+
+
+def test_region_inside_compiles_to_one_graph():
+    counter = CompileCounter()
+    compiled = _compile(_region_model, counter)
+    assert _dtypes(compiled(X)) == _dtypes(_region_model(X))
+    compiled(X)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    ("region", "expected"),
+    [
+        (lambda: mixprec.autocast("cpu"), BF16),
+        (lambda: mixprec.autocast("cpu", dtype=torch.float16), torch.float16),
+        (lambda: mixprec.autocast("cpu", enabled=False), torch.float32),
+        (lambda: mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA), torch.float16),
+    ],
+    ids=["bf16", "fp16", "disabled", "cuda-policy"],
+)
+def test_guards_follow_the_state_outside(region, expected):
+    counter = CompileCounter()
+    compiled = _compile(lambda x: LIN(x), counter)
+    assert compiled(X).dtype is torch.float32
+    with region():
+        assert compiled(X).dtype is expected
+    assert compiled(X).dtype is torch.float32
+    assert counter.frame_count <= 2
+
+
+def test_guard_sees_a_disabled_subregion():
+    compiled = _compile(lambda x: LIN(x), CompileCounter())
+    with mixprec.autocast("cpu"):
+        assert compiled(X).dtype is BF16
+        with mixprec.autocast("cpu", enabled=False):
+            assert compiled(X).dtype is torch.float32
+        assert compiled(X).dtype is BF16
+
+
+def test_guard_sees_the_policy():
+    compiled = _compile(lambda x: torch.exp(x.half()), CompileCounter())
+    with mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA):
+        assert compiled(X).dtype is torch.float32  # exp is fp32 on CUDA
+    with mixprec.autocast("cpu", dtype=torch.float16):
+        assert compiled(X).dtype is torch.float16  # and unlisted on CPU
+
+
+def test_tables_and_twins_built_inside_the_trace():
+    fresh = mixprec.Policy.from_lists("fresh", {"lower_precision_fp": ["linear"], "fp32": ["softmax"]})
+    other = mixprec.Policy.from_lists("other", {"fp32": ["linear"]})
+
+    def fn(x):
+        with mixprec.autocast("cpu", policy=fresh):
+            a = torch.nn.functional.multi_head_attention_forward  # a composite with a gate, run by its twin
+            b = LIN(x)
+        with mixprec.autocast("cpu", policy=other):
+            c = LIN(x.to(BF16))
+        return b, c, a is not None
+
+    b, c, _ = _compile(fn)(X)
+    assert (b.dtype, c.dtype) == (BF16, torch.float32)
+
+
+# Seed 004: autocast decorators.
+@mixprec.autocast("cpu")
+def _decorated_helper(x):
+    return LIN(x)
+
+
+def test_decorated_helper_called_from_compiled_code():
+    out = _compile(lambda x: (_decorated_helper(x), LIN(x)))(X)
+    assert _dtypes(out) == [BF16, torch.float32]
+
+
+def test_decorator_on_the_compiled_function():
+    compiled = _compile(mixprec.autocast("cpu")(lambda x: LIN(x)))
+    assert compiled(X).dtype is BF16
+    assert LIN(X).dtype is torch.float32
+
+
+# Seed 004: the enabled argument given by a runtime value.
+@pytest.mark.parametrize(("use_amp", "expected"), [(True, BF16), (False, torch.float32)], ids=["on", "off"])
+def test_enabled_from_a_runtime_value(use_amp, expected):
+    def fn(x, use_amp):
+        with mixprec.autocast("cpu", enabled=use_amp):
+            return LIN(x)
+
+    compiled = _compile(fn)
+    assert compiled(X, use_amp).dtype is expected
+    assert compiled(X, not use_amp).dtype is (torch.float32 if use_amp else BF16)
+
+
+# Seed 004: uncommon usage patterns.
+def test_instance_reused_and_bound_with_as():
+    def fn(x):
+        region = mixprec.autocast("cpu")
+        with region:
+            a = LIN(x)
+        b = LIN(x)
+        with region as again:
+            c = LIN(x)
+            with again:
+                d = LIN(x)
+        return a, b, c, d
+
+    assert _dtypes(_compile(fn)(X)) == [BF16, torch.float32, BF16, BF16]
+
+
+# Seed 004: promote decided from the real dtypes.
+def _graph_of(fn, *args):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return out, graphs[0]
+
+
+def _casts_in(gm):
+    return [n for n in gm.graph.nodes if n.op in ("call_method", "call_function") and str(n.target) in ("to", "half", "float", "bfloat16")]
+
+
+def test_promote_cat_of_two_bf16_stays_bf16_without_casts():
+    def fn(a, b):
+        with mixprec.autocast("cpu"):
+            return torch.cat([a, b])
+
+    out, gm = _graph_of(fn, X.to(BF16), X.to(BF16))
+    assert out.dtype is BF16
+    assert _casts_in(gm) == []
+
+
+def test_promote_to_float32_casts_only_the_narrow_input():
+    def fn(a, b):
+        with mixprec.autocast("cpu"):
+            return torch.cat([a, b])
+
+    out, gm = _graph_of(fn, X.to(BF16), X)
+    assert out.dtype is torch.float32
+    assert len(_casts_in(gm)) == 1
+
+
+# Seed 004: fp32_append_dtype (norm under the CUDA policy).
+def test_norm_under_cuda_policy_runs_in_float32():
+    def fn(x):
+        with mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA):
+            return torch.norm(x), x.norm(p=2)
+
+    x = X.half()
+    eager = fn(x)
+    compiled = _compile(fn)(x)
+    assert _dtypes(compiled) == _dtypes(eager) == [torch.float32, torch.float32]
+    torch.testing.assert_close(compiled, eager)
+
+
+# Seed 004: mixing tracing and compiled autocast.
+def _disabled_helper(a, b):
+    with mixprec.autocast("cpu", enabled=False):
+        return torch.mm(a, b) * 2.0
+
+
+def test_compiled_calling_traced_keeps_the_traced_disable():
+    traced = torch.jit.trace(_disabled_helper, (X, X.T))
+
+    def fn(a, b):
+        with mixprec.autocast("cpu"):
+            return traced(a, b), torch.mm(a, b)
+
+    assert _dtypes(_compile(fn)(X, X.T)) == [torch.float32, BF16]
+
+
+def test_compiled_calling_traced_keeps_the_traced_region():
+    def helper(a, b):
+        with mixprec.autocast("cpu"):
+            return torch.mm(a, b)
+
+    traced = torch.jit.trace(helper, (X, X.T))
+    assert _compile(lambda a, b: traced(a, b))(X, X.T).dtype is BF16
+
+
+def test_exported_code_calling_compiled_code_keeps_its_region():
+    inner = torch.compile(lambda a: LIN(a) + 1, fullgraph=True, backend="eager")
+
+    class Outer(torch.nn.Module):
+        def forward(self, x):
+            with mixprec.autocast("cpu"):
+                return inner(x)
+
+    torch._dynamo.reset()
+    program = torch.export.export(Outer(), (X,))
+    assert program.module()(X).dtype is BF16
+    assert "torch.bfloat16" in program.graph_module.code
+
+
+# Seed 004: disabling eager autocast from compiled code.
+def test_enabled_false_inside_compiled_code_really_disables():
+    def fn(x):
+        with mixprec.autocast("cpu", enabled=False):
+            return LIN(x)
+
+    compiled = _compile(fn, "inductor")  # debug backends re-run graph ops through the open eager region
+    with mixprec.autocast("cpu"):
+        assert compiled(X).dtype is torch.float32
+        assert LIN(X).dtype is BF16
+
+
+# Seed 004: diagnostics name the user's source line.
+def _bce(x, y):
+    with mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA):
+        return torch.nn.functional.binary_cross_entropy(x, y)  # the user's line
+
+
+def test_error_inside_compiled_region_names_the_user_line():
+    x = torch.rand(4)
+    line = _bce.__code__.co_firstlineno + 2
+    with pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits") as info:
+        _compile(_bce)(x, x)
+    assert f"{__file__}\", line {line}" in str(info.value)
+
+
+def test_encoder_layer_composites_are_autocast_in_the_trace():
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
+    x = torch.randn(2, 5, 16)
+
+    def fn(x):
+        with mixprec.autocast("cpu"):
+            return layer(x)
+
+    eager = fn(x)
+    compiled = _compile(fn)(x)
+    assert compiled.dtype is eager.dtype
+    torch.testing.assert_close(compiled, eager, atol=3e-2, rtol=3e-2)
