@@ -55,7 +55,7 @@ def test_inductor_region_inside_gives_eager_dtypes_and_values(inductor_region):
     compiled = inductor_region(X)
     assert _dtypes(compiled) == _dtypes(eager)
     assert eager[0].dtype is BF16 and eager[-1].dtype is torch.float32
-    for c, e in zip(compiled, eager):
+    for c, e in zip(compiled, eager, strict=True):
         torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
 
 
@@ -64,7 +64,7 @@ def test_inductor_region_outside_then_float32_again(inductor_plain):
         eager = _plain_model(X)
         inside = inductor_plain(X)
     assert _dtypes(inside) == _dtypes(eager)
-    for c, e in zip(inside, eager):
+    for c, e in zip(inside, eager, strict=True):
         torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
     assert _dtypes(inductor_plain(X)) == [torch.float32] * 3
 
@@ -188,8 +188,11 @@ def _graph_of(fn, *args):
     return out, graphs[0]
 
 
+_CAST_NAMES = ("to", "half", "float", "bfloat16")
+
+
 def _casts_in(gm):
-    return [n for n in gm.graph.nodes if n.op in ("call_method", "call_function") and str(n.target) in ("to", "half", "float", "bfloat16")]
+    return [n for n in gm.graph.nodes if n.op in ("call_method", "call_function") and str(n.target) in _CAST_NAMES]
 
 
 def test_promote_cat_of_two_bf16_stays_bf16_without_casts():
@@ -287,7 +290,7 @@ def test_error_inside_compiled_region_names_the_user_line():
     line = _bce.__code__.co_firstlineno + 2
     with pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits") as info:
         _compile(_bce)(x, x)
-    assert f"{__file__}\", line {line}" in str(info.value)
+    assert f'{__file__}", line {line}' in str(info.value)
 
 
 def test_encoder_layer_composites_are_autocast_in_the_trace():

@@ -72,19 +72,19 @@ def test_trace_and_freeze_record_the_casts():
         eager = NET(X)
     frozen = torch.jit.freeze(traced)
     assert "BFloat16" in str(frozen.graph)
-    for f, e in zip(frozen(X), eager):
+    for f, e in zip(frozen(X), eager, strict=True):
         assert f.dtype is e.dtype and torch.equal(f, e)
 
 
 def test_export_of_a_mixprec_forward_gives_the_eager_outputs():
     net = _like(MixprecNet)
     program = torch.export.export(net, (X,))
-    for p, e in zip(program.module()(X), net(X)):
+    for p, e in zip(program.module()(X), net(X), strict=True):
         assert p.dtype is e.dtype is BF16 and torch.equal(p, e)
 
 
 def test_apply_policy_gives_the_eager_and_native_outputs(rewritten, native):
-    for r, e, n in zip(rewritten(X), _eager(), native(X)):
+    for r, e, n in zip(rewritten(X), _eager(), native(X), strict=True):
         assert r.dtype is e.dtype is n.dtype
         assert torch.equal(r, e) and torch.equal(r, n)
 

@@ -38,3 +38,19 @@ def call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, name, None) is func:
         return getattr(args[0], name)(*args[1:], **kwargs)
     return func(*args, **kwargs)
+
+
+@torch._dynamo.assume_constant_result
+def category(policy: Any, func: Callable[..., Any]) -> str | None:
+    """``policy``'s category name for ``func``, run eagerly by torch.compile (a constant in the trace)."""
+    try:
+        found = policy._by_callable.get(func)
+    except TypeError:  # unhashable callable
+        return None
+    return None if found is None else str(found.value)
+
+
+@torch._dynamo.assume_constant_result
+def advice(policy: Any, func: Callable[..., Any]) -> str:
+    """The text a banned ``func`` raises under ``policy`` (a constant in the trace)."""
+    return str(policy.advice(policy._banned_names[func]))

@@ -23,8 +23,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixprec import _cast, _compile, _expand, _shelf
-from mixprec import _state
+from mixprec import _cast, _compile, _expand, _shelf, _state
 from mixprec._state import Context, ThreadState
 from mixprec.policies import Category, Policy
 
@@ -170,6 +169,7 @@ _RULES: dict[Category, Rule] = {
     Category.PROMOTE: _promote,
 }
 
+_RULES_BY_NAME = {category.value: rule for category, rule in _RULES.items()}
 _tables = _shelf.Shelf(limit=256)
 
 
@@ -201,9 +201,10 @@ class AutocastMode(TorchFunctionMode):
         self._state = state
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        compiling = torch.compiler.is_compiling()
         # Under torch.compile, read the state through its global: dynamo tracks a region
         # entered inside the trace on that object, not on this mode's reference to it.
-        state = _state.get() if torch.compiler.is_compiling() else self._state
+        state = _state.get() if compiling else self._state
         contexts = state.contexts
         if kwargs is None:
             kwargs = {}
@@ -211,7 +212,7 @@ class AutocastMode(TorchFunctionMode):
             return func(*args, **kwargs)
         try:
             for ctx in contexts:
-                rule = ctx.rules.get(func)
+                rule = _traced_rule(ctx.policy, func) if compiling else ctx.rules.get(func)
                 if rule is not None and (len(contexts) == 1 or _touches(ctx, args, kwargs)):
                     return rule(ctx, state, func, args, kwargs)
         except TypeError:
@@ -219,7 +220,7 @@ class AutocastMode(TorchFunctionMode):
                 raise
         twin = _expand.twin(func)
         if twin is None or (state.expanding and state.expanding[-1] is func):
-            return _compile.call(func, args, kwargs) if torch.compiler.is_compiling() else func(*args, **kwargs)
+            return _compile.call(func, args, kwargs) if compiling else func(*args, **kwargs)
         if any(t is not _Tensor for t in types):
             return func(*args, **kwargs)  # a tensor subclass handles this composite itself
         state.expanding.append(func)
@@ -229,6 +230,17 @@ class AutocastMode(TorchFunctionMode):
         finally:
             torch._C._pop_torch_function_stack()
             state.expanding.pop()
+
+
+def _traced_rule(policy: Policy, func: Callable[..., Any]) -> Rule | None:
+    """The rule for ``func`` under torch.compile, from a constant category: the trace then
+    guards on the policy object only, not on every key of the policy's rule table."""
+    category = _compile.category(policy, func)
+    if category is None:
+        return None
+    if category == "banned":
+        return _banned(_compile.advice(policy, func))
+    return _RULES_BY_NAME[category]
 
 
 def _is_unhashable(func: object) -> bool:

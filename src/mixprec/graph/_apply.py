@@ -109,7 +109,9 @@ class _Rewrite:
         new.meta["val"] = _fake_call(self.casts.fake_mode, target, args, kwargs, node)
         return new
 
-    def _apply(self, category: Category, node: fx.Node, target: Any, args: Any, kwargs: Any, tensors: list[fx.Node]) -> Any:
+    def _apply(
+        self, category: Category, node: fx.Node, target: Any, args: Any, kwargs: Any, tensors: list[fx.Node]
+    ) -> Any:
         if category is Category.LOWER_PRECISION_FP:
             return target, *self.cast_all((args, kwargs), self.dtype)
         if category is Category.FP32:
@@ -214,8 +216,6 @@ def _check(gm: object, policy: object, dtype: object) -> None:
                     f"apply_policy argument {name!r} has the wrong type",
                     f"it must be a {kind.__module__}.{kind.__qualname__}",
                     received={name: value},
-                    fix="Pass torch.export.export(model, args).module() or a make_fx graph."
-                    if name == "gm"
-                    else None,
+                    fix="Pass torch.export.export(model, args).module() or a make_fx graph." if name == "gm" else None,
                 )
             )
