@@ -6,6 +6,8 @@ keeps one graph per autocast state, selected by its guards):
 * ``mixprec``: the compiled model called inside ``mixprec.autocast("cpu", dtype=torch.bfloat16)``
 * ``native``:  the same inside ``torch.autocast("cpu", dtype=torch.bfloat16)``
 * ``fp32``:    the same outside any region
+* ``floor`` (with ``--floor``): native autocast with a pass-through ``TorchFunctionMode``
+  pushed, i.e. what any torch-function design pays to have its mode on the stack
 
 Cases: ``nn.TransformerEncoderLayer`` forward+backward (training mode) and a Hugging
 Face ``BertModel`` from a small config, eval forward under ``no_grad``.
@@ -23,7 +25,7 @@ Algorithm::
 
 Usage::
 
-    python benchmarks/compiled.py [--repeats 50] [--sample-ms 20] [--threads 1] [--json out.json]
+    python benchmarks/compiled.py [--repeats 50] [--sample-ms 20] [--threads 1] [--floor] [--json out.json]
 
 The exit status is 1 if the goal mixprec/native <= 1.0 (paired) is missed.
 """
@@ -101,7 +103,13 @@ def export_casts(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     native = torch.export.export(Native(), args, kwargs, strict=False).run_decompositions({})
     plain = torch.export.export(model, args, kwargs, strict=False)
     rewritten = apply_policy(plain.module(), mixprec.policies.CPU, BF16, device_type="cpu")
-    return {"native_export": casts_in(native.graph_module), "apply_policy": casts_in(rewritten)}
+    with torch.no_grad():
+        ours, theirs = rewritten(*args, **kwargs), native.module()(*args, **kwargs)
+    same = all(
+        a.dtype == b.dtype and torch.equal(a, b)
+        for a, b in zip(torch.utils._pytree.tree_leaves(ours), torch.utils._pytree.tree_leaves(theirs), strict=True)
+    )
+    return {"native_export": casts_in(native.graph_module), "apply_policy": casts_in(rewritten), "same": same}
 
 
 def encoder_case() -> tuple[common.Case, dict[str, int]]:
@@ -154,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-ms", type=float, default=20.0, help="target time of one sample, ms (default 20)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="cases to run")
+    parser.add_argument(
+        "--floor",
+        action="store_true",
+        help="add a contender: native autocast under a pass-through TorchFunctionMode (the design's floor)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     if args.repeats < 3:
@@ -163,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     common.CONTENDERS.clear()
     common.CONTENDERS.update(CONTENDERS)
+    if args.floor:
+        common.CONTENDERS["floor"] = common.floor_region
     info = common.machine()
     print(
         f"torch {info['torch']}, mixprec {info['mixprec']}, {info['cpu']}, threads {info['threads']}, "
@@ -181,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         c = row["cast_nodes"]
         print(
             f"{row['case']:8} cast nodes: compiled forward (AOT) mixprec {c['aot_mixprec']}, native {c['aot_native']}; "
-            f"exported: native torch.autocast {c['native_export']}, mixprec.graph.apply_policy {c['apply_policy']}"
+            f"exported: native torch.autocast {c['native_export']}, mixprec.graph.apply_policy {c['apply_policy']} "
+            f"(outputs {'bit-identical' if c['same'] else 'DIFFER'})"
         )
     if args.json:
         with open(args.json, "w") as f:

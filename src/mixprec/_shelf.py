@@ -22,7 +22,9 @@ import torch
 
 
 class Shelf:
-    """A namespace of ``(key, value)`` pairs, one attribute per key object."""
+    """A namespace of ``(key, value)`` pairs, one attribute per key object (at most ``limit``)."""
+
+    __slots__ = ("__dict__", "limit")
 
     def __init__(self, limit: int = 4096) -> None:
         self.limit = limit
@@ -36,11 +38,8 @@ def put(shelf: Shelf, key: Any, build: Callable[[Any], Any]) -> str:
     if entry is not None and entry[0] is key:
         return name
     value = build(key)
-    slots = vars(shelf)
-    if len(slots) > shelf.limit:
-        limit = shelf.limit
-        slots.clear()
-        shelf.limit = limit
+    if len(vars(shelf)) >= shelf.limit:
+        vars(shelf).clear()
     setattr(shelf, name, (key, value))
     return name
 
