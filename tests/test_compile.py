@@ -268,14 +268,21 @@ def test_exported_code_calling_compiled_code_keeps_its_region():
 
 
 # Seed 004: disabling eager autocast from compiled code.
-def test_enabled_false_inside_compiled_code_really_disables():
-    def fn(x):
-        with mixprec.autocast("cpu", enabled=False):
-            return LIN(x)
+CONV = torch.nn.Conv2d(3, 4, 3)
 
-    compiled = _compile(fn, "inductor")  # debug backends re-run graph ops through the open eager region
-    with mixprec.autocast("cpu"):
-        assert compiled(X).dtype is torch.float32
+
+def test_enabled_false_inside_compiled_code_really_disables():
+    def fn(x, image):
+        with mixprec.autocast("cpu", enabled=False):
+            q = x.view(1, 4, 8)
+            return LIN(x), CONV(image), torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    # inductor: its extern kernels (addmm with out=, convolution, SDPA) stay in float32 even
+    # though the eager region's mode sees them at run time (README: "debug backends").
+    compiled = _compile(fn, "inductor")
+    image = torch.randn(1, 3, 8, 8)
+    with torch.no_grad(), mixprec.autocast("cpu"):
+        assert _dtypes(compiled(X, image)) == [torch.float32] * 3
         assert LIN(X).dtype is BF16
 
 
@@ -305,3 +312,15 @@ def test_encoder_layer_composites_are_autocast_in_the_trace():
     compiled = _compile(fn)(x)
     assert compiled.dtype is eager.dtype
     torch.testing.assert_close(compiled, eager, atol=3e-2, rtol=3e-2)
+
+
+def _bad_argument(x):
+    with mixprec.autocast("cpu", enabled="yes"):  # the user's line
+        return x + 1
+
+
+def test_argument_error_inside_compiled_region_names_the_user_line():
+    line = _bad_argument.__code__.co_firstlineno + 1
+    with pytest.raises(RuntimeError, match="autocast argument 'enabled' has the wrong type") as info:
+        _compile(_bad_argument)(X)
+    assert f'{__file__}", line {line}' in str(info.value)

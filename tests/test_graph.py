@@ -76,9 +76,10 @@ def test_trace_and_freeze_record_the_casts():
         assert f.dtype is e.dtype and torch.equal(f, e)
 
 
-def test_export_of_a_mixprec_forward_gives_the_eager_outputs():
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_export_of_a_mixprec_forward_gives_the_eager_outputs(strict):
     net = _like(MixprecNet)
-    program = torch.export.export(net, (X,))
+    program = torch.export.export(net, (X,), strict=strict)
     for p, e in zip(program.module()(X), net(X), strict=True):
         assert p.dtype is e.dtype is BF16 and torch.equal(p, e)
 
