@@ -115,19 +115,20 @@ def test_guard_sees_the_policy():
 
 
 def test_tables_and_twins_built_inside_the_trace():
-    fresh = mixprec.Policy.from_lists("fresh", {"lower_precision_fp": ["linear"], "fp32": ["softmax"]})
+    # Two policies no region has used yet, and a composite (F.hardtanh, whose gate sends it
+    # to the mode) whose builtin only the first policy lists: all built during the trace.
+    fresh = mixprec.Policy.from_lists("fresh", {"lower_precision_fp": ["linear"], "fp32": ["hardtanh"]})
     other = mixprec.Policy.from_lists("other", {"fp32": ["linear"]})
 
     def fn(x):
         with mixprec.autocast("cpu", policy=fresh):
-            a = torch.nn.functional.multi_head_attention_forward  # a composite with a gate, run by its twin
             b = LIN(x)
+            h = torch.nn.functional.hardtanh(b)
         with mixprec.autocast("cpu", policy=other):
             c = LIN(x.to(BF16))
-        return b, c, a is not None
+        return b, h, c
 
-    b, c, _ = _compile(fn)(X)
-    assert (b.dtype, c.dtype) == (BF16, torch.float32)
+    assert _dtypes(_compile(fn)(X)) == _dtypes(fn(X)) == [BF16, torch.float32, torch.float32]
 
 
 # Seed 004: autocast decorators.

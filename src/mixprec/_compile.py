@@ -24,10 +24,17 @@ _BUILTINS = (types.BuiltinFunctionType, types.MethodDescriptorType, types.Wrappe
 
 
 def register(funcs: Iterable[Callable[..., Any]]) -> None:
-    """Let dynamo dispatch ``funcs`` (builtins that honour torch-function modes) to the mode."""
-    from torch._dynamo.variables import torch as dynamo_torch
+    """Let dynamo dispatch ``funcs`` (builtins that honour torch-function modes) to the mode.
 
-    known = dynamo_torch.get_overridable_functions()
+    The set is private to dynamo: if a torch release drops it, eager autocast is
+    unaffected and only these builtins go unseen under torch.compile.
+    """
+    try:
+        from torch._dynamo.variables import torch as dynamo_torch
+
+        known = dynamo_torch.get_overridable_functions()
+    except (ImportError, AttributeError):  # pragma: no cover - depends on torch's private layout
+        return
     known.update(f for f in funcs if isinstance(f, _BUILTINS) and f not in known)
 
 

@@ -57,7 +57,11 @@ def _make_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
 
 
 def _make_traceable_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
-    """A twin for torch.compile: its globals are a plain copy (dynamo ignores ``__missing__``)."""
+    """A twin for torch.compile: its globals are a plain copy (dynamo ignores ``__missing__``).
+
+    The copy is taken when the twin is first made, so a global of the composite's
+    module patched later is not seen by traces (the eager twin reads it live).
+    """
     made = _make_twin(func)
     if made is None or "super" in made.__code__.co_names:  # dynamo cannot trace super() outside its class
         return None
