@@ -26,6 +26,7 @@ Algorithm::
 Usage::
 
     python benchmarks/compiled.py [--repeats 50] [--sample-ms 20] [--threads 1] [--floor] [--json out.json]
+    python benchmarks/compiled.py --alone mixprec   # one contender per process, as a cross-check
 
 The exit status is 1 if the goal mixprec/native <= 1.0 (paired) is missed.
 """
@@ -36,6 +37,7 @@ import argparse
 import contextlib
 import json
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -155,6 +157,19 @@ def bert_case() -> tuple[common.Case, dict[str, int]]:
 CASES = {"encoder": encoder_case, "bert": bert_case}
 
 
+def alone(args: argparse.Namespace) -> int:
+    """Time one contender with no other graph compiled in the process (a cross-check of the interleaved run)."""
+    region = CONTENDERS[args.alone]
+    for name in args.cases:
+        case, _ = CASES[name]()
+        common._time(case, region, args.warmup)
+        inner = max(1, round(args.sample_ms / 1e3 / min(common._time(case, region, 1) for _ in range(3))))
+        samples = [common._time(case, region, inner) for _ in range(args.repeats)]
+        median, best = statistics.median(samples) * 1e3, min(samples) * 1e3
+        print(f"{name:8} {args.alone}: median {median:.3f} ms, min {best:.3f} ms")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=50, help="interleaved repetitions per case (default 50)")
@@ -166,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         "--floor",
         action="store_true",
         help="add a contender: native autocast under a pass-through TorchFunctionMode (the design's floor)",
+    )
+    parser.add_argument(
+        "--alone",
+        choices=list(CONTENDERS),
+        help="cross-check: time only this contender in this process (median and minimum of --repeats samples)",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
@@ -183,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         f"torch {info['torch']}, mixprec {info['mixprec']}, {info['cpu']}, threads {info['threads']}, "
         f"repeats {args.repeats}, load average {info['loadavg'][0]:.2f}\n"
     )
+    if args.alone:
+        return alone(args)
     rows = []
     for name in args.cases:
         case, counts = CASES[name]()
