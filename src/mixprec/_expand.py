@@ -9,7 +9,10 @@ The composite is therefore run as a *twin*: the same code object, closure and
 defaults, with globals in which the three gate functions answer False and every
 other name is looked up live in the composite's own module. The twin runs with
 the mode pushed, so each op it calls goes through the mode; its own gate no
-longer re-dispatches it. Functions without a gate (plain wrappers) get no twin.
+longer re-dispatches it. A wrapper without a gate whose closure holds gated
+functions (torch's ``boolean_dispatch``: F.max_pool3d, torch.lu, ...) gets a twin
+that closes over their twins. C++ composites with a port in ``mixprec._ports``
+(``aten::pad``) run the port as their twin. Anything else gets no twin.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import types
 from collections.abc import Callable
 from typing import Any
+
+from mixprec import _ports
 
 _GATES = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
@@ -38,12 +43,35 @@ class _TwinGlobals(dict):  # type: ignore[type-arg]
 _twins: dict[Callable[..., Any], Callable[..., Any] | None] = {}
 
 
+def _closure_twin(func: types.FunctionType) -> Callable[..., Any] | None:
+    """A gate-free wrapper over gated functions (torch's ``boolean_dispatch``: F.max_pool3d,
+    F.fractional_max_pool2d, torch.lu, ...): the same wrapper, closing over their twins."""
+    cells = func.__closure__ or ()
+    swapped = []
+    for cell in cells:
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            value = None
+        swapped.append(twin(value) if isinstance(value, types.FunctionType) else None)
+    if not any(swapped):
+        return None
+    closure = tuple(cell if new is None else types.CellType(new) for new, cell in zip(swapped, cells, strict=True))
+    wrapper = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, closure)
+    wrapper.__kwdefaults__ = func.__kwdefaults__
+    return wrapper
+
+
 def _make_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    port = _ports.ports().get(func)
+    if port is not None:
+        return port
     if not isinstance(func, types.FunctionType):
         return None
     code = func.__code__
     if not any(gate in code.co_names for gate in _GATES):
-        return None
+        _twins[func] = None  # a closure that refers to func itself ends here
+        return _closure_twin(func)
     scope = _TwinGlobals({gate: _never for gate in _GATES})
     scope.live = func.__globals__
     scope["__builtins__"] = func.__globals__.get("__builtins__", __builtins__)

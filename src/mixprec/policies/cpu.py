@@ -19,7 +19,9 @@ Two parts, merged into ``TABLE``:
 ``UNLISTED_COMPOSITES`` names the composites for which no category at the
 outer call reproduces native (the path taken depends on the inputs, or ops of
 several categories decide the result), with the reason; they stay unlisted
-and run uncast. It is documentation: the policy is ``TABLE``.
+and run uncast. It is documentation: the policy is ``TABLE``. A composite whose
+path depends on its inputs can instead be ported to Python op for op
+(``mixprec._ports``: ``aten::pad``), and then matches native on every path.
 """
 
 LOWER_PRECISION_FP = (
@@ -110,13 +112,21 @@ UNLISTED_COMPOSITES = {
     "hidden state, float32 output.",
     "gru_cell": "as gru.",
     "lstm_cell": "linear in the autocast dtype, cell state in float32, float32 output.",
-    "pad": "by mode: reflect/replicate reach fp32 pads (not reflection_pad3d), constant and "
-    "circular run uncast.",
     "roll": "reaches cat for non-empty inputs, as do fft_fftshift, fft_ifftshift, gradient, "
     "diff with prepend/append, combinations, cartesian_prod of 2+ tensors, matrix_exp of "
     "larger matrices and isin of larger inputs. Only the error differs: native raises for an "
     "input in the other lower-precision dtype (float16 under bfloat16). Not reproduced, as "
     "native does not reach cat for every input and the raise is an artefact of the inner cat.",
+}
+
+# Where a listed composite still differs from native, by input.
+COMPOSITE_EXCEPTIONS = {
+    "tensordot": "natively a full contraction to one element goes to dot (unlisted) and stays "
+    "float32; mixprec casts it.",
+    "lstm": "natively mkldnn_rnn_layer runs the layer only for bfloat16 autocast without proj_size "
+    "or packed input; elsewhere native runs the cell loop with a float32 cell state (float32 or "
+    "mixed outputs), and under float16 autocast oneDNN raises on most CPUs. mixprec casts the "
+    "whole layer to the autocast dtype.",
 }
 
 TABLE = {
