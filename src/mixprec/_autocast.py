@@ -70,18 +70,24 @@ class autocast:  # noqa: N801 - torch's name
         self._cache_enabled = True if cache_enabled is None else cache_enabled
         self._policy = policy
         self._enabled = enabled and _usable(spec, self.fast_dtype)
+        self._setting: _state.DeviceSetting | None = None  # made on first entry, then reused
 
     def __enter__(self) -> autocast:
         state = _state.get()
         device = self.device
+        setting = self._setting
+        if setting is None:
+            policy = self._policy if self._policy is not None else _default_policy(device)
+            setting = self._setting = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)
         state.saved.append((device, state.devices.get(device)))
-        policy = self._policy if self._policy is not None else _default_policy(device)
-        state.devices[device] = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)
-        _refresh(state)
+        state.devices[device] = setting
         if len(state.saved) == 1:
+            state.contexts = (_context(device, setting),) if setting.enabled else ()
             if state.mode is None:
                 state.mode = _mode.AutocastMode(state)
             _mode.push(state.mode)
+        else:
+            _refresh(state)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -91,10 +97,12 @@ class autocast:  # noqa: N801 - torch's name
             del state.devices[device]
         else:
             state.devices[device] = previous
-        _refresh(state)
-        if not state.saved:
-            state.cache.clear()
-            _mode.remove(state.mode)
+        if state.saved:
+            _refresh(state)
+            return
+        state.contexts = ()
+        state.cache.clear()
+        _mode.remove(state.mode)
 
     def __call__(self, func: F) -> F:
         @functools.wraps(func)
@@ -152,11 +160,23 @@ def _usable(spec: _devices.DeviceSpec, dtype: torch.dtype) -> bool:
 
 
 def _refresh(state: _state.ThreadState) -> None:
-    state.contexts = tuple(
-        _state.Context(device, s.dtype, s.policy, _mode.rules_for(s.policy), s.cache_enabled)
-        for device, s in state.devices.items()
-        if s.enabled
-    )
+    state.contexts = tuple(_context(device, s) for device, s in state.devices.items() if s.enabled)
+
+
+_contexts: dict[tuple[str, torch.dtype, int, bool], _state.Context] = {}
+
+
+def _context(device: str, setting: _state.DeviceSetting) -> _state.Context:
+    """The mode's view of one enabled device (memoized: regions are entered once per step)."""
+    key = (device, setting.dtype, id(setting.policy), setting.cache_enabled)
+    found = _contexts.get(key)
+    if found is None or found.policy is not setting.policy:
+        compiled = _mode.compile_policy(setting.policy)
+        found = _state.Context(device, setting.dtype, setting.policy, compiled.rules, setting.cache_enabled, compiled)
+        if len(_contexts) > 256:
+            _contexts.clear()
+        _contexts[key] = found
+    return found
 
 
 def is_autocast_enabled(device_type: str) -> bool:

@@ -5,7 +5,7 @@ Algorithm for each intercepted call ``func(*args, **kwargs)``::
     for each enabled device context:
         rule = context.rules.get(func)          # compiled from the policy table
         if rule and the call touches that device: return rule(...)
-    if func is a Python composite with a torch-function gate:
+    if func is a Python composite that can reach a listed op (mixprec._reach):
         run its twin with the mode pushed       # inner ops are intercepted
     else:
         return func(*args, **kwargs)            # mode is off here: runs natively
@@ -16,6 +16,7 @@ runs each op in the dtype its forward used.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -23,36 +24,39 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixprec import _cast, _expand
+from mixprec import _cast, _expand, _reach
 from mixprec._state import Context, ThreadState
 from mixprec.policies import Category, Policy
 
 _float32 = torch.float32
 _Tensor = torch.Tensor
 
-Rule = Callable[[Context, ThreadState, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+_dtype = torch.dtype
+Func = Callable[..., Any]
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+Rule = Callable[[Context, ThreadState, Func, Args, Kwargs], Any]
 
 
-def _explicit_dtype_or_out(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _explicit_dtype_or_out(args: Args, kwargs: Kwargs) -> bool:
     """In-place ``out=`` calls and calls given an explicit dtype are not autocast."""
     if kwargs and (kwargs.get("out") is not None or kwargs.get("dtype") is not None):
         return True
-    return any(isinstance(a, torch.dtype) for a in args)
-
-
-def _cache(ctx: Context, state: ThreadState) -> _cast.Cache | None:
-    return state.cache if ctx.cache_enabled and torch.is_grad_enabled() else None
+    return _dtype in map(type, args)
 
 
 def _cast_to(to_lower: bool) -> Rule:
-    def rule(ctx: Context, state: ThreadState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _explicit_dtype_or_out(args, kwargs):
+    def rule(ctx: Context, state: ThreadState, func: Func, args: Args, kwargs: Kwargs) -> Any:
+        if kwargs and (kwargs.get("out") is not None or kwargs.get("dtype") is not None):
             return func(*args, **kwargs)
-        if to_lower:
-            args, kwargs = _cast.cast_call(args, kwargs, ctx.dtype, ctx.device_type, _cache(ctx, state))
-        else:
-            args, kwargs = _cast.cast_call(args, kwargs, _float32, ctx.device_type, None)
-        return func(*args, **kwargs)
+        dtype, device = (ctx.dtype, ctx.device_type) if to_lower else (_float32, ctx.device_type)
+        cache = state.cache if to_lower and ctx.cache_enabled and torch.is_grad_enabled() else None
+        cast = _cast.cast_args(args, dtype, device, cache)
+        if cast is None:  # an explicit dtype among the positional arguments
+            return func(*args, **kwargs)
+        if kwargs:
+            kwargs = {k: _cast.cast_value(v, dtype, device, cache) for k, v in kwargs.items()}
+        return func(*cast, **kwargs)
 
     return rule
 
@@ -102,7 +106,7 @@ def _aten_with_fp32_dtype(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
     return func(*positional, **values)
 
 
-def _with_fp32_dtype(ctx: Context, state: ThreadState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _with_fp32_dtype(ctx: Context, state: ThreadState, func: Func, args: Args, kwargs: Kwargs) -> Any:
     """fp32_set_opt_dtype and fp32_append_dtype: run with dtype=float32 if the first input is eligible.
 
     As ATen's ``set_opt_dtype``, a ``dtype`` passed as None, also positionally, is replaced.
@@ -137,7 +141,7 @@ def promote_dtype(ctx: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return to
 
 
-def _promote(ctx: Context, state: ThreadState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _promote(ctx: Context, state: ThreadState, func: Func, args: Args, kwargs: Kwargs) -> Any:
     if _explicit_dtype_or_out(args, kwargs):
         return func(*args, **kwargs)
     to = promote_dtype(ctx, args, kwargs)
@@ -146,7 +150,7 @@ def _promote(ctx: Context, state: ThreadState, func: Callable[..., Any], args: t
 
 
 def _banned(advice: str) -> Rule:
-    def rule(ctx: Context, state: ThreadState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def rule(ctx: Context, state: ThreadState, func: Func, args: Args, kwargs: Kwargs) -> Any:
         if any(_cast.is_eligible(t, ctx.device_type) for t in _cast.iter_tensors(args, kwargs)):
             raise RuntimeError(advice)
         return func(*args, **kwargs)
@@ -162,24 +166,47 @@ _RULES: dict[Category, Rule] = {
     Category.PROMOTE: _promote,
 }
 
-_compiled: dict[int, tuple[Policy, dict[Callable[..., Any], Rule]]] = {}
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A policy compiled for the mode: ``{callable: rule}``, and which composites to expand."""
+
+    rules: dict[Func, Rule]
+    names: frozenset[str]
+    twins: dict[Func, Func | None]
+
+    def twin(self, func: Func) -> Func | None:
+        """The twin to run ``func`` as, or None to run it natively (memoized per policy)."""
+        try:
+            return self.twins[func]
+        except TypeError:  # an unhashable callable
+            return None
+        except KeyError:
+            made = _expand.twin(func)
+            if made is not None and not _reach.reaches(func, self.names):
+                made = None
+            self.twins[func] = made
+            return made
 
 
-def rules_for(policy: Policy) -> dict[Callable[..., Any], Rule]:
-    """The policy's table compiled to ``{callable: rule}`` (cached per policy object)."""
+_compiled: dict[int, tuple[Policy, Compiled]] = {}
+
+
+def compile_policy(policy: Policy) -> Compiled:
+    """The policy's table compiled for the mode (cached per policy object)."""
     hit = _compiled.get(id(policy))
     if hit is not None and hit[0] is policy:
         return hit[1]
-    rules: dict[Callable[..., Any], Rule] = {}
+    rules: dict[Func, Rule] = {}
     for func, category in policy._by_callable.items():
         if category is Category.BANNED:
             rules[func] = _banned(policy.advice(policy._banned_names[func]))
         else:
             rules[func] = _RULES[category]
+    compiled = Compiled(rules, _reach.policy_names(dict(policy.table), rules), {})
     if len(_compiled) > 256:
         _compiled.clear()
-    _compiled[id(policy)] = (policy, rules)
-    return rules
+    _compiled[id(policy)] = (policy, compiled)
+    return compiled
 
 
 def _touches(ctx: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -198,21 +225,27 @@ class AutocastMode(TorchFunctionMode):
         contexts = state.contexts
         if kwargs is None:
             kwargs = {}
-        if not contexts:
-            return func(*args, **kwargs)
-        try:
-            for ctx in contexts:
+        if len(contexts) == 1:
+            ctx = contexts[0]
+            try:
                 rule = ctx.rules.get(func)
-                if rule is not None and (len(contexts) == 1 or _touches(ctx, args, kwargs)):
-                    return rule(ctx, state, func, args, kwargs)
-        except TypeError:
-            if not _is_unhashable(func):
-                raise
-        twin = _expand.twin(func)
+            except TypeError:  # an unhashable callable: not in any table
+                return func(*args, **kwargs)
+            if rule is not None:
+                return rule(ctx, state, func, args, kwargs)
+            twin = ctx.compiled.twin(func)
+        elif contexts:
+            rule, ctx = self._route(contexts, func, args, kwargs)
+            if rule is not None:
+                return rule(ctx, state, func, args, kwargs)
+            twin = next((t for c in contexts if (t := c.compiled.twin(func)) is not None), None)
+        else:
+            return func(*args, **kwargs)
         if twin is None or (state.expanding and state.expanding[-1] is func):
             return func(*args, **kwargs)
-        if any(t is not _Tensor for t in types):
-            return func(*args, **kwargs)  # a tensor subclass handles this composite itself
+        for t in types:
+            if t is not _Tensor:
+                return func(*args, **kwargs)  # a tensor subclass handles this composite itself
         state.expanding.append(func)
         torch._C._push_on_torch_function_stack(self)
         try:
@@ -221,13 +254,17 @@ class AutocastMode(TorchFunctionMode):
             torch._C._pop_torch_function_stack()
             state.expanding.pop()
 
-
-def _is_unhashable(func: object) -> bool:
-    try:
-        hash(func)
-    except TypeError:
-        return True
-    return False
+    @staticmethod
+    def _route(contexts: tuple[Context, ...], func: Func, args: Args, kwargs: Kwargs) -> tuple[Rule | None, Any]:
+        """With several devices enabled: the rule of the first device whose tensors the call touches."""
+        for ctx in contexts:
+            try:
+                rule = ctx.rules.get(func)
+            except TypeError:
+                return None, None
+            if rule is not None and _touches(ctx, args, kwargs):
+                return rule, ctx
+        return None, None
 
 
 def push(mode: AutocastMode) -> None:

@@ -28,6 +28,7 @@ class Context:
     policy: Policy
     rules: dict[Callable[..., Any], Callable[..., Any]]
     cache_enabled: bool
+    compiled: Any  # mixprec._mode.Compiled: the rules above, and which composites to expand
 
 
 @dataclasses.dataclass(frozen=True)
