@@ -38,7 +38,7 @@ def pad(input: torch.Tensor, pad: Any, mode: str = "constant", value: float | No
     if mode in _KINDS and (value is None or value == 0) and len(pad) in (2, 4, 6) and input.dim() in (k + 1, k + 2):
         kind = _KINDS[mode]
         if kind is None:
-            return torch._C._nn._pad_circular(input, pad)
+            return torch._C._nn._pad_circular(input, pad)  # type: ignore[attr-defined]
         return getattr(torch._C._nn, f"{kind}{k}d")(input, pad)
     return torch._C._nn.pad(input, pad, mode, value)
 

@@ -55,9 +55,9 @@ def policy_names(table: dict[str, Any], callables: Any) -> frozenset[str]:
             if name.startswith(prefix):
                 names.add(name.removeprefix(prefix))
     for func in callables:
-        name = getattr(func, "__name__", None)
-        if isinstance(name, str):
-            names.add(name.split(".")[-1])
+        spelled = getattr(func, "__name__", None)
+        if isinstance(spelled, str):
+            names.add(spelled.split(".")[-1])
     names.update(getattr(port, "__name__", "") for port in _ports.ports())
     return frozenset(names)
 
