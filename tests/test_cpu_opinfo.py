@@ -86,8 +86,6 @@ KNOWN: dict[str, tuple[str, str]] = {
     "nn.functional.bilinear": (UNCAST, cpu.UNLISTED_COMPOSITES["bilinear"]),
     "nn_Bilinear": (UNCAST, cpu.UNLISTED_COMPOSITES["bilinear"]),
     "nn_GRU": (UNCAST, cpu.UNLISTED_COMPOSITES["gru"]),
-    "nn_GRUCell": (UNCAST, cpu.UNLISTED_COMPOSITES["gru_cell"]),
-    "nn_LSTMCell": (UNCAST, cpu.UNLISTED_COMPOSITES["lstm_cell"]),
     **{
         name: (UNCAST, _OTHER_LOW + cpu.UNLISTED_COMPOSITES["roll"])
         for name in (

@@ -43,7 +43,60 @@ def pad(input: torch.Tensor, pad: Any, mode: str = "constant", value: float | No
     return torch._C._nn.pad(input, pad, mode, value)
 
 
+def _cell_ok(input: Any, hiddens: Any, w_ih: Any, w_hh: Any) -> bool:
+    """The shape checks of ATen's RNN cells (check_rnn_cell_forward_input/hidden) hold: the port may run."""
+    tensors = (input, *hiddens, w_ih, w_hh)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in tensors):
+        return False
+    return input.size(1) == w_ih.size(1) and all(
+        h.size(0) == input.size(0) and h.size(1) == w_hh.size(1) for h in hiddens
+    )
+
+
+def lstm_cell(
+    input: torch.Tensor, hx: Any, w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Any = None, b_hh: Any = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten::lstm_cell`` on CPU tensors (aten/src/ATen/native/RNN.cpp, ``LSTMCell``).
+
+    Algorithm::
+
+        gates = linear(h, w_hh, b_hh).add_(linear(input, w_ih, b_ih))
+        i, f, g, o = gates.unsafe_chunk(4, 1) -> sigmoid_, sigmoid_, tanh_, sigmoid_
+        cy = (f * cx).add_(i * g);  hy = o * cy.tanh()
+    """
+    if len(hx) != 2 or not input.is_cpu or not _cell_ok(input, hx, w_ih, w_hh):
+        return torch.lstm_cell(input, hx, w_ih, w_hh, b_ih, b_hh)  # ATen's own path and errors
+    h, c = hx
+    gates = torch._C._nn.linear(h, w_hh, b_hh).add_(torch._C._nn.linear(input, w_ih, b_ih))
+    i, f, g, o = gates.unsafe_chunk(4, 1)
+    i, f, g, o = i.sigmoid_(), f.sigmoid_(), g.tanh_(), o.sigmoid_()
+    cy = (f * c).add_(i * g)
+    return o * cy.tanh(), cy
+
+
+def gru_cell(
+    input: torch.Tensor, hx: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, b_ih: Any = None, b_hh: Any = None
+) -> torch.Tensor:
+    """``aten::gru_cell`` on CPU tensors (aten/src/ATen/native/RNN.cpp, ``GRUCell``).
+
+    Algorithm::
+
+        ri, zi, ni = linear(input, w_ih, b_ih).unsafe_chunk(3, 1)
+        rh, zh, nh = linear(hx, w_hh, b_hh).unsafe_chunk(3, 1)
+        r = rh.add_(ri).sigmoid_();  z = zh.add_(zi).sigmoid_();  n = ni.add(nh.mul_(r)).tanh_()
+        hy = (hx - n).mul_(z).add_(n)
+    """
+    if not input.is_cpu or not _cell_ok(input, (hx,), w_ih, w_hh):
+        return torch.gru_cell(input, hx, w_ih, w_hh, b_ih, b_hh)
+    ri, zi, ni = torch._C._nn.linear(input, w_ih, b_ih).unsafe_chunk(3, 1)
+    rh, zh, nh = torch._C._nn.linear(hx, w_hh, b_hh).unsafe_chunk(3, 1)
+    reset = rh.add_(ri).sigmoid_()
+    update = zh.add_(zi).sigmoid_()
+    new = ni.add(nh.mul_(reset)).tanh_()
+    return (hx - new).mul_(update).add_(new)
+
+
 @functools.cache
 def ports() -> dict[Callable[..., Any], Callable[..., Any]]:
     """``{composite: port}``, built on first use (nothing happens at import time)."""
-    return {torch._C._nn.pad: pad}
+    return {torch._C._nn.pad: pad, torch.lstm_cell: lstm_cell, torch.gru_cell: gru_cell}
