@@ -85,7 +85,6 @@ KNOWN: dict[str, tuple[str, str]] = {
     "linalg.pinv.hermitian": (UNCAST, cpu.UNLISTED_COMPOSITES["linalg_pinv"]),
     "nn.functional.bilinear": (UNCAST, cpu.UNLISTED_COMPOSITES["bilinear"]),
     "nn_Bilinear": (UNCAST, cpu.UNLISTED_COMPOSITES["bilinear"]),
-    "nn_GRU": (UNCAST, cpu.UNLISTED_COMPOSITES["gru"]),
     **{
         name: (UNCAST, _OTHER_LOW + cpu.UNLISTED_COMPOSITES["roll"])
         for name in (

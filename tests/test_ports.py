@@ -39,7 +39,29 @@ class _Pad(torch.nn.Module):
         return F.pad(self.linear(x), self.pad, mode=self.mode)
 
 
+class _GRU(torch.nn.Module):
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        self.gru = torch.nn.GRU(5, 7, **options)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gru(x)  # type: ignore[no-any-return]
+
+
+GRU_OPTIONS: dict[str, dict[str, Any]] = {
+    "1-layer": {},
+    "2-layers": {"num_layers": 2},
+    "bidirectional": {"bidirectional": True},
+    "2-layers-bidirectional-batch-first": {"num_layers": 2, "bidirectional": True, "batch_first": True},
+    "3-layers-dropout": {"num_layers": 3, "dropout": 0.3},
+    "no-bias-bidirectional": {"bias": False, "num_layers": 2, "bidirectional": True},
+}
+
 CASES = {
+    **{
+        f"gru-{name}": (lambda o=options: (_GRU(**o), torch.randn(4, 3, 5, requires_grad=True)))
+        for name, options in GRU_OPTIONS.items()
+    },
     "lstm_cell": _cell(torch.nn.LSTMCell, True),
     "lstm_cell-no-bias": _cell(torch.nn.LSTMCell, False),
     "gru_cell": _cell(torch.nn.GRUCell, True),
@@ -76,3 +98,17 @@ def test_port_raises_what_native_raises(call: Callable[[], Any]) -> None:
         call()
     with pytest.raises(type(native.value)), mixprec.autocast("cpu"):
         call()
+
+
+def test_packed_gru_runs_uncast_as_documented() -> None:
+    torch.manual_seed(0)
+    gru = torch.nn.GRU(5, 7)
+    packed = torch.nn.utils.rnn.pack_padded_sequence(torch.randn(4, 2, 5), torch.tensor([4, 2]))
+    with mixprec.autocast("cpu"):
+        got, _ = gru(packed)
+    expected, _ = gru(packed)
+    with torch.autocast("cpu"):
+        native, _ = gru(packed)
+    assert got.data.dtype == torch.float32
+    assert torch.equal(got.data, expected.data)
+    assert not torch.equal(native.data, expected.data)  # the divergence in docs/policies.md

@@ -96,7 +96,73 @@ def gru_cell(
     return (hx - new).mul_(update).add_(new)
 
 
+def _gru_layer(x: torch.Tensor, h: torch.Tensor, cell: tuple[Any, ...], reverse: bool) -> tuple[torch.Tensor, Any]:
+    """ATen's ``FullLayer`` on CPU: the input projection for all steps at once, then one cell per step."""
+    w_ih, w_hh, b_ih, b_hh = cell
+    steps = list(torch._C._nn.linear(x, w_ih, b_ih).unbind(0))
+    outputs = []
+    for step in reversed(steps) if reverse else steps:
+        ri, zi, ni = step.unsafe_chunk(3, 1)
+        rh, zh, nh = torch._C._nn.linear(h, w_hh, b_hh).unsafe_chunk(3, 1)
+        reset = rh.add_(ri).sigmoid_()
+        update = zh.add_(zi).sigmoid_()
+        new = ni.add(nh.mul_(reset)).tanh_()
+        h = (h - new).mul_(update).add_(new)
+        outputs.append(h)
+    if reverse:
+        outputs.reverse()
+    return torch.stack(outputs, 0), h
+
+
+def _gru_ok(input: Any, hx: Any, params: Any, has_biases: Any, num_layers: Any, bidirectional: Any) -> bool:
+    """The dense-input overload with consistent shapes on CPU: the port may run (else ATen runs and checks)."""
+    if not (isinstance(input, torch.Tensor) and isinstance(hx, torch.Tensor) and isinstance(params, (list, tuple))):
+        return False
+    cells = num_layers * (2 if bidirectional else 1)
+    return (
+        input.is_cpu and input.dim() == 3 and input.size(0) > 0 and hx.dim() == 3 and hx.size(0) == cells
+        and len(params) == cells * (4 if has_biases else 2)
+    )
+
+
+def gru(
+    input: Any, hx: Any, params: Any, has_biases: Any, num_layers: Any, dropout: Any, train: Any,
+    bidirectional: Any, batch_first: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten::gru.input`` on CPU tensors (aten/src/ATen/native/RNN.cpp, ``_rnn_impl_with_concat``).
+
+    Algorithm::
+
+        x = input (time-major); for each layer l:
+            each direction: x_proj = linear(x, w_ih, b_ih); step GRU cells over x_proj (backwards
+            for the reverse direction); stack the hidden states; directions are concatenated
+            dropout(x) between layers when training
+        return x, stack(final hidden of every layer and direction)
+    """
+    if not _gru_ok(input, hx, params, has_biases, num_layers, bidirectional):
+        return torch.gru(input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first)
+    x = input.transpose(0, 1) if batch_first else input
+    step = 4 if has_biases else 2
+    biases = (lambda i: params[i + 2 : i + 4]) if has_biases else (lambda i: (None, None))
+    cells = [(*params[i : i + 2], *biases(i)) for i in range(0, len(params), step)]
+    hiddens, finals = hx.unbind(0), []
+    directions = 2 if bidirectional else 1
+    for layer in range(num_layers):
+        outputs = []
+        for d in range(directions):
+            k = layer * directions + d
+            out, final = _gru_layer(x, hiddens[k], cells[k], reverse=d == 1)
+            outputs.append(out)
+            finals.append(final)
+        x = torch.cat(outputs, outputs[0].dim() - 1) if bidirectional else outputs[0]
+        if dropout != 0 and train and layer < num_layers - 1:
+            x = torch.dropout(x, dropout, True)
+    if batch_first:
+        x = x.transpose_(0, 1)
+    return x, torch.stack(finals, 0)
+
+
 @functools.cache
 def ports() -> dict[Callable[..., Any], Callable[..., Any]]:
     """``{composite: port}``, built on first use (nothing happens at import time)."""
-    return {torch._C._nn.pad: pad, torch.lstm_cell: lstm_cell, torch.gru_cell: gru_cell}
+    return {torch._C._nn.pad: pad, torch.lstm_cell: lstm_cell, torch.gru_cell: gru_cell, torch.gru: gru}

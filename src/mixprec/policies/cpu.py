@@ -21,7 +21,7 @@ outer call reproduces native (the path taken depends on the inputs, or ops of
 several categories decide the result), with the reason; they stay unlisted
 and run uncast. It is documentation: the policy is ``TABLE``. A composite whose
 path depends on its inputs can instead be ported to Python op for op
-(``mixprec._ports``: ``aten::pad``, ``lstm_cell``, ``gru_cell``), and then matches native on every path.
+(``mixprec._ports``: ``aten::pad``, ``lstm_cell``, ``gru_cell``, ``gru``), and then matches native on every path.
 """
 
 LOWER_PRECISION_FP = (
@@ -108,8 +108,8 @@ UNLISTED_COMPOSITES = {
     "corrcoef": "cov, then division by the standard deviations: as cov.",
     "linalg_pinv": "svd or eigh (fp32) then matmul (lower): no single category.",
     "bilinear": "_trilinear accumulates lower-precision bmm results into a float32 output.",
-    "gru": "a loop of GRU cells (linear in the autocast dtype, gate arithmetic against the float32 "
-    "hidden state, float32 output) with the input projection hoisted out of the loop; not ported yet.",
+    "gru": "only with a packed sequence (the dense overload is ported): ATen's packed layers run "
+    "GRU cells whose linears are cast natively; mixprec runs the packed call uncast.",
     "roll": "reaches cat for non-empty inputs, as do fft_fftshift, fft_ifftshift, gradient, "
     "diff with prepend/append, combinations, cartesian_prod of 2+ tensors, matrix_exp of "
     "larger matrices and isin of larger inputs. Only the error differs: native raises for an "
