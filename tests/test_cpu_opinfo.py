@@ -78,7 +78,6 @@ _OTHER_LOW = (
 #: OpInfo name (with its variant) or ModuleInfo name -> (documented mixprec output, reason).
 KNOWN: dict[str, tuple[str, str]] = {
     "einsum": (UNCAST, cpu.UNLISTED_COMPOSITES["einsum"]),
-    "linalg.matrix_power": (UNCAST, cpu.UNLISTED_COMPOSITES["linalg_matrix_power"]),
     "cov": (UNCAST, cpu.UNLISTED_COMPOSITES["cov"]),
     "corrcoef": (UNCAST, cpu.UNLISTED_COMPOSITES["corrcoef"]),
     "linalg.pinv": (UNCAST, cpu.UNLISTED_COMPOSITES["linalg_pinv"]),

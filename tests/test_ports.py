@@ -39,6 +39,18 @@ class _Pad(torch.nn.Module):
         return F.pad(self.linear(x), self.pad, mode=self.mode)
 
 
+class _MatrixPower(torch.nn.Module):
+    def __init__(self, n: int, how: str) -> None:
+        super().__init__()
+        self.n, self.how = n, how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x + 4 * torch.eye(4)  # well conditioned, so negative powers are finite
+        if self.how == "method":
+            return a.matrix_power(self.n)
+        return {"linalg": torch.linalg.matrix_power, "torch": torch.matrix_power}[self.how](a, self.n)
+
+
 class _GRU(torch.nn.Module):
     def __init__(self, **options: Any) -> None:
         super().__init__()
@@ -58,6 +70,13 @@ GRU_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 CASES = {
+    **{
+        f"matrix_power-{how}-{n}": (
+            lambda n=n, how=how: (_MatrixPower(n, how), torch.randn(2, 4, 4, requires_grad=True))
+        )
+        for n in (-5, -2, -1, 0, 1, 2, 3, 6, 7)
+        for how in ("linalg", "torch", "method")
+    },
     **{
         f"gru-{name}": (lambda o=options: (_GRU(**o), torch.randn(4, 3, 5, requires_grad=True)))
         for name, options in GRU_OPTIONS.items()

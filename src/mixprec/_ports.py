@@ -162,7 +162,46 @@ def gru(
     return x, torch.stack(finals, 0)
 
 
+def matrix_power(input: Any, n: Any, *, out: Any = None) -> Any:
+    """``aten::linalg_matrix_power`` (aten/src/ATen/native/LinearAlgebra.cpp), without ``out=``.
+
+    Algorithm::
+
+        n == 0: clone(input).copy_(eye)      n == 1: clone(input)      n == -1: linalg_inv(input)
+        a = linalg_inv(input) if n < 0 else input;  n = |n|
+        n == 2: a @ a     n == 3: (a @ a) @ a
+        else: binary powering from the least significant bit, z = z @ z, result = result @ z
+    """
+    square = isinstance(input, torch.Tensor) and input.dim() >= 2 and input.size(-1) == input.size(-2)
+    if out is not None or not square or not isinstance(n, int):
+        return torch.linalg.matrix_power(input, n, out=out)
+    if n == 0:
+        return input.clone(memory_format=torch.contiguous_format).copy_(
+            torch.eye(input.size(-2), dtype=input.dtype, device=input.device)
+        )
+    if n == 1:
+        return input.clone(memory_format=torch.contiguous_format)
+    if n == -1:
+        return torch.linalg.inv(input)
+    a = torch.linalg.inv(input) if n < 0 else input
+    n = abs(n)
+    if n in (2, 3):
+        square_of_a = torch.matmul(a, a)
+        return square_of_a if n == 2 else torch.matmul(square_of_a, a)
+    z = result = None
+    while n > 0:
+        bit, n = n % 2, n // 2
+        z = a if z is None else torch.matmul(z, z)
+        if bit:
+            result = z if result is None else torch.matmul(result, z)
+    return result
+
+
 @functools.cache
 def ports() -> dict[Callable[..., Any], Callable[..., Any]]:
     """``{composite: port}``, built on first use (nothing happens at import time)."""
-    return {torch._C._nn.pad: pad, torch.lstm_cell: lstm_cell, torch.gru_cell: gru_cell, torch.gru: gru}
+    return {
+        torch._C._nn.pad: pad, torch.lstm_cell: lstm_cell, torch.gru_cell: gru_cell, torch.gru: gru,
+        torch.linalg.matrix_power: matrix_power, torch.matrix_power: matrix_power,
+        torch.Tensor.matrix_power: matrix_power,
+    }

@@ -21,7 +21,8 @@ outer call reproduces native (the path taken depends on the inputs, or ops of
 several categories decide the result), with the reason; they stay unlisted
 and run uncast. It is documentation: the policy is ``TABLE``. A composite whose
 path depends on its inputs can instead be ported to Python op for op
-(``mixprec._ports``: ``aten::pad``, ``lstm_cell``, ``gru_cell``, ``gru``), and then matches native on every path.
+(``mixprec._ports``: ``aten::pad``, ``lstm_cell``, ``gru_cell``, ``gru``,
+``linalg_matrix_power``), and then matches native on every path.
 """
 
 LOWER_PRECISION_FP = (
@@ -100,9 +101,6 @@ UNLISTED_COMPOSITES = {
     "transpose equations, and a final pair without a contraction (mul against a float32 "
     "operand), stay float32 natively. Listing it would compute e.g. the rotary-embedding "
     "outer product einsum('i,j->ij', positions, inv_freq) in bfloat16.",
-    "linalg_matrix_power": "n >= 2: matmul (lower); n in (0, 1): identity or copy, float32; "
-    "n < 0: inverse (fp32) before the matmuls, so casting first would make inverse raise.",
-    "matrix_power": "as linalg_matrix_power.",
     "cov": "the mean is subtracted in float32 before the lower-precision mm; casting the input "
     "first subtracts in bfloat16 and loses the data to cancellation when the mean is large.",
     "corrcoef": "cov, then division by the standard deviations: as cov.",
