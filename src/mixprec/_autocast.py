@@ -74,27 +74,14 @@ class autocast:  # noqa: N801 - torch's name
     def __enter__(self) -> autocast:
         state = _state.get()
         device = self.device
-        state.saved.append((device, state.devices.get(device)))
-        policy = self._policy if self._policy is not None else _default_policy(device)
-        state.devices[device] = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)
-        _refresh(state)
-        if len(state.saved) == 1:
-            if state.mode is None:
-                state.mode = _mode.AutocastMode(state)
-            _mode.push(state.mode)
+        policy = self._policy
+        if policy is None:  # the innermost module policy (set_module_policy), else the device's
+            policy = state.module_policies[-1] if state.module_policies else _default_policy(device)
+        enter(state, {device: _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)})
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        state = _state.get()
-        device, previous = state.saved.pop()
-        if previous is None:
-            del state.devices[device]
-        else:
-            state.devices[device] = previous
-        _refresh(state)
-        if not state.saved:
-            state.cache.clear()
-            _mode.remove(state.mode)
+        leave(_state.get(), 1)
 
     def __call__(self, func: F) -> F:
         @functools.wraps(func)
@@ -109,6 +96,32 @@ class autocast:  # noqa: N801 - torch's name
             f"autocast(device_type={self.device!r}, dtype={self.fast_dtype}, "
             f"enabled={self._enabled}, cache_enabled={self._cache_enabled})"
         )
+
+
+def enter(state: _state.ThreadState, settings: dict[str, _state.DeviceSetting]) -> None:
+    """Open one nesting level per device in ``settings``; the mode goes on the stack with the first."""
+    for device, setting in settings.items():
+        state.saved.append((device, state.devices.get(device)))
+        state.devices[device] = setting
+    _refresh(state)
+    if settings and len(state.saved) == len(settings):
+        if state.mode is None:
+            state.mode = _mode.AutocastMode(state)
+        _mode.push(state.mode)
+
+
+def leave(state: _state.ThreadState, levels: int) -> None:
+    """Close ``levels`` nesting levels; the cache and the mode go when the last one closes."""
+    for _ in range(levels):
+        device, previous = state.saved.pop()
+        if previous is None:
+            del state.devices[device]
+        else:
+            state.devices[device] = previous
+    _refresh(state)
+    if levels and not state.saved:
+        state.cache.clear()
+        _mode.remove(state.mode)
 
 
 def _check_type(name: str, value: object, expected: type, *, optional: bool = False) -> None:
