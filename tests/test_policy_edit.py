@@ -140,9 +140,10 @@ def test_without_ops_of_an_unlisted_op_changes_nothing():
     assert CPU.without_ops([]) == CPU
 
 
-def test_without_ops_of_an_op_only_the_policy_knows():
-    documented = mixprec.policies.CPU_DOCUMENTED
-    assert "symeig" not in documented.without_ops("symeig").table
+def test_ops_only_the_policy_knows_can_be_moved_and_removed():
+    old = mixprec.Policy.from_lists("old", {"fp32": ["op_of_an_old_torch", "mm"]})
+    assert old.with_ops(promote="op_of_an_old_torch").category("op_of_an_old_torch") == "promote"
+    assert dict(old.without_ops("op_of_an_old_torch").table) == {"mm": mixprec.Category.FP32}
 
 
 # --- ops / diff / changes / repr ---------------------------------------------------------------------------
@@ -219,7 +220,7 @@ def custom_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b)
 
 
-_LIB = torch.library.Library("mixprec_edit_lib", "DEF")  # noqa: TOR901 - a test library, kept alive by the module
+_LIB = torch.library.Library("mixprec_edit_lib", "DEF")
 _LIB.define("mm(Tensor a, Tensor b) -> Tensor")
 _LIB.impl("mm", lambda a, b: torch.mm(a, b), "CompositeExplicitAutograd")
 

@@ -181,7 +181,8 @@ def test_one_op_in_two_categories():
 def test_invalid_toml_names_the_file_and_the_layout(tmp_path):
     path = tmp_path / "broken.toml"
     path.write_text('base = "CPU"\n[ops\nfp32 = ["mm"]\n')
-    with pytest.raises(ValueError, match=r"not valid TOML \(.*line 2.*\).*broken.toml.*Expected a TOML file with the keys"):
+    pattern = r"not valid TOML \(.*line 2.*\).*broken.toml.*Expected a TOML file with the keys"
+    with pytest.raises(ValueError, match=pattern):
         mixprec.Policy.from_file(path)
 
 

@@ -42,6 +42,7 @@ class Explanation:
         device_type: The autocast device; the inputs are taken to live on it.
         dtype: The autocast (lower-precision) dtype.
         input_dtypes: The dtypes of the op's tensor inputs, first input first.
+        cast_inputs: The dtypes the inputs reach the op in, after autocast's casts.
         runs_in: The dtype the op computes and returns in, or None if it raises.
         raises: The error text if the call raises under autocast, else None.
     """
@@ -54,6 +55,7 @@ class Explanation:
     device_type: str
     dtype: torch.dtype
     input_dtypes: tuple[torch.dtype, ...]
+    cast_inputs: tuple[torch.dtype, ...]
     runs_in: torch.dtype | None
     raises: str | None
 
@@ -99,7 +101,7 @@ def explain(
     name = _names.op_name(op, policy.table)
     entry = next((n for n in _entries(name) if n in policy.table), None)
     category = None if entry is None else policy.table[entry]
-    runs_in, raises = _run(category, dtype, inputs, policy, entry)
+    cast, runs_in, raises = _run(category, dtype, inputs, policy, entry)
     return Explanation(
         op=name,
         entry=entry,
@@ -109,6 +111,7 @@ def explain(
         device_type=device_type,
         dtype=dtype,
         input_dtypes=inputs,
+        cast_inputs=cast,
         runs_in=runs_in,
         raises=raises,
     )
@@ -139,8 +142,8 @@ def _eligible(dtype: torch.dtype) -> bool:
 
 def _run(
     category: Category | None, dtype: torch.dtype, inputs: tuple[torch.dtype, ...], policy: Policy, entry: str | None
-) -> tuple[torch.dtype | None, str | None]:
-    """The dtype the op runs in under ``category``, or (None, error text)."""
+) -> tuple[tuple[torch.dtype, ...], torch.dtype | None, str | None]:
+    """(input dtypes after the casts, the dtype the op runs in or None, the error text or None)."""
     to: torch.dtype | None = None
     if category is Category.LOWER_PRECISION_FP:
         to = dtype
@@ -148,15 +151,15 @@ def _run(
         to = _float32
     elif category in (Category.FP32_SET_OPT_DTYPE, Category.FP32_APPEND_DTYPE):
         if _eligible(inputs[0]):
-            return _float32, None
+            return inputs, _float32, None
     elif category is Category.PROMOTE:
         to = _promote(dtype, inputs)
         if to is None:
-            return None, f"autocast promote: inputs mix dtypes other than float32 and {dtype}"
+            return inputs, None, f"autocast promote: inputs mix dtypes other than float32 and {dtype}"
     elif category is Category.BANNED and any(_eligible(d) for d in inputs):
-        return None, policy.advice(entry or "")
-    cast = [to if to is not None and _eligible(d) else d for d in inputs]
-    return functools.reduce(torch.promote_types, cast), None
+        return inputs, None, policy.advice(entry or "")
+    cast = tuple(to if to is not None and _eligible(d) else d for d in inputs)
+    return cast, functools.reduce(torch.promote_types, cast), None
 
 
 def _promote(dtype: torch.dtype, inputs: tuple[torch.dtype, ...]) -> torch.dtype | None:
