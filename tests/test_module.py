@@ -176,8 +176,8 @@ def test_fp32_module_inside_a_policy_module_and_a_region_reopened_inside():
 
     inner = Reopens()
     outer = nn.Sequential(inner)
-    outer_policy = CPU.with_ops(fp32="exp")
-    with mixprec.set_module_policy(outer, outer_policy), mixprec.set_module_policy(inner, "fp32"), mixprec.autocast("cpu"):
+    h1, h2 = mixprec.set_module_policy(outer, CPU.with_ops(fp32="exp")), mixprec.set_module_policy(inner, "fp32")
+    with h1, h2, mixprec.autocast("cpu"):
         off, on = outer(torch.randn(2, 2, dtype=bf16))
     assert off == (False, f32, f32)
     assert on == ({"exp": "fp32"}, f16, f32)
