@@ -79,13 +79,16 @@ def test_explained_dtype_is_the_dtype_produced(policy, op, call, arity, inputs, 
     dtypes = inputs[:arity]
     why = mixprec.explain(op, "cpu", policy, dtype=autocast_dtype, input_dtypes=dtypes)
     got = _actual(mixprec.autocast("cpu", dtype=autocast_dtype, policy=policy), call, dtypes)
-    if why.raises is not None:
+    if why.note is not None:  # an unlisted custom op: its kernel's mm decides, as natively
+        assert why.category is None and why.runs_in is None and why.raises is None
+        assert got is _actual(mixprec.autocast("cpu", dtype=autocast_dtype, policy=policy), torch.mm, dtypes), why
+    elif why.raises is not None:
         assert got is None, why
     elif got is None:  # the kernel refuses the inputs autocast gives it (mm of two dtypes, inv of bfloat16)
         assert _actual(contextlib.nullcontext(), call, why.cast_inputs) is None, why
     else:
         assert why.runs_in is got, why
-    if policy is CPU and op is not custom_mm:
+    if policy is CPU:
         native = _actual(torch.autocast("cpu", dtype=autocast_dtype), call, dtypes)
         assert native is got, "mixprec and native CPU autocast disagree"
 
@@ -153,6 +156,13 @@ def test_str_reads_as_a_sentence():
     )
     assert "unlisted (default table CPU does not list it)" in str(mixprec.explain("add"))
     assert str(mixprec.explain("binary_cross_entropy", policy=CUDA)).count("..") == 0
+
+
+def test_unlisted_custom_op_is_explained_as_its_kernels_business():
+    text = str(mixprec.explain(custom_mm, input_dtypes=(f32, f32)))
+    assert "runs as its kernel decides: an unlisted custom op runs its kernel with autocast on" in text
+    assert "Policy.with_ops" in text
+    assert mixprec.explain(custom_mm, policy=CPU.with_ops(fp32=custom_mm), input_dtypes=(bf16, bf16)).runs_in is f32
 
 
 def test_explanation_is_a_frozen_dataclass():

@@ -280,6 +280,60 @@ def test_custom_op_category_is_seen_by_callable_and_name():
 
 
 def test_custom_op_without_ops_removes_it():
-    policy = CPU.with_ops(lower_precision_fp=[custom_mm]).without_ops("mixprec_edit::mm")
+    policy = CPU.with_ops(fp32=[custom_mm]).without_ops("mixprec_edit::mm")
     assert policy == CPU
-    assert _under(policy, custom_mm, _x(2, 2), _x(2, 2)).dtype is f32
+    a = _x(2, 2, dtype=bf16)
+    assert _under(CPU.with_ops(fp32=[custom_mm]), custom_mm, a, a).dtype is f32
+    assert _under(policy, custom_mm, a, a).dtype is bf16  # unlisted again: its inner mm is autocast
+
+
+# --- unlisted custom ops: native autocast falls through to the kernel, with autocast still on ---------------
+
+
+@torch.library.custom_op("mixprec_edit::mm_autograd", mutates_args=())
+def custom_mm_autograd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, b)
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    a, b = ctx.saved_tensors
+    return (grad @ b.to(grad.dtype).t()).to(a.dtype), (a.to(grad.dtype).t() @ grad).to(b.dtype)
+
+
+custom_mm_autograd.register_autograd(_backward, setup_context=_setup)
+
+UNLISTED = {
+    "custom_op": custom_mm,
+    "custom_op-packet": torch.ops.mixprec_edit.mm,
+    "custom_op-overload": torch.ops.mixprec_edit.mm.default,
+    "Library-packet": torch.ops.mixprec_edit_lib.mm,
+    "Library-overload": torch.ops.mixprec_edit_lib.mm.default,
+}
+
+
+@pytest.mark.parametrize("dtype", [bf16, f16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("call", UNLISTED.values(), ids=UNLISTED.keys())
+def test_unlisted_custom_op_autocasts_its_inner_ops_like_native(call, dtype):
+    a, b = _x(4, 5), _x(5, 2)
+    with torch.autocast("cpu", dtype=dtype):
+        native = call(a, b)
+    got = _under(CPU, call, a, b, dtype=dtype)
+    assert native.dtype is dtype
+    torch.testing.assert_close(got, native, rtol=0, atol=0)
+
+
+def test_unlisted_custom_op_with_autograd_matches_native_gradients():
+    a, b = _x(4, 5).requires_grad_(), _x(5, 2).requires_grad_()
+    with torch.autocast("cpu"):
+        native = custom_mm_autograd(a, b)
+    native.float().sum().backward()
+    expected = a.grad.clone(), b.grad.clone()
+    a.grad = b.grad = None
+    got = _under(CPU, custom_mm_autograd, a, b)
+    got.float().sum().backward()
+    torch.testing.assert_close(got, native, rtol=0, atol=0)
+    torch.testing.assert_close((a.grad, b.grad), expected, rtol=0, atol=0)

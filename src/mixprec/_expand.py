@@ -10,13 +10,22 @@ defaults, with globals in which the three gate functions answer False and every
 other name is looked up live in the composite's own module. The twin runs with
 the mode pushed, so each op it calls goes through the mode; its own gate no
 longer re-dispatches it. Functions without a gate (plain wrappers) get no twin.
+
+Custom ops (``torch.ops`` outside ``aten``) that no policy lists are expanded
+too, as native autocast falls through to their kernels with autocast still on:
+their twin calls the dispatcher directly (``torch._C._dispatch_call_boxed``),
+past the torch-function check, so a Python kernel's inner ops reach the mode.
+A kernel written in C++ runs as before.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 _GATES = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
@@ -38,9 +47,26 @@ class _TwinGlobals(dict):  # type: ignore[type-arg]
 _twins: dict[Callable[..., Any], Callable[..., Any] | None] = {}
 
 
+def _call_overload(overload: Any, *args: Any, **kwargs: Any) -> Any:
+    return torch._C._dispatch_call_boxed(overload._handle, *args, **kwargs)
+
+
+def _call_packet(packet: Any, *args: Any, **kwargs: Any) -> Any:
+    name = torch._C._jit_resolve_packet(packet._qualified_op_name, *args, **kwargs)
+    return _call_overload(getattr(packet, name), *args, **kwargs)
+
+
+def _custom_op_twin(func: Any) -> Callable[..., Any] | None:
+    if isinstance(func, torch._ops.OpOverload) and func.namespace != "aten":
+        return functools.partial(_call_overload, func)
+    if isinstance(func, torch._ops.OpOverloadPacket) and not func._qualified_op_name.startswith("aten::"):
+        return functools.partial(_call_packet, func)
+    return None
+
+
 def _make_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
     if not isinstance(func, types.FunctionType):
-        return None
+        return _custom_op_twin(func)
     code = func.__code__
     if not any(gate in code.co_names for gate in _GATES):
         return None

@@ -43,8 +43,10 @@ class Explanation:
         dtype: The autocast (lower-precision) dtype.
         input_dtypes: The dtypes of the op's tensor inputs, first input first.
         cast_inputs: The dtypes the inputs reach the op in, after autocast's casts.
-        runs_in: The dtype the op computes and returns in, or None if it raises.
+        runs_in: The dtype the op computes and returns in, or None if it raises
+            or if its kernel decides (an unlisted custom op, see ``note``).
         raises: The error text if the call raises under autocast, else None.
+        note: Why ``runs_in`` is None without an error, else None.
     """
 
     op: str
@@ -58,12 +60,18 @@ class Explanation:
     cast_inputs: tuple[torch.dtype, ...]
     runs_in: torch.dtype | None
     raises: str | None
+    note: str | None = None
 
     def __str__(self) -> str:
         name = _devices.dtype_name
         listed = f"{self.category} (entry {self.entry!r}, {self.source})" if self.entry else f"unlisted ({self.source})"
         inputs = ", ".join(name(d) for d in self.input_dtypes)
-        outcome = f"runs in {name(self.runs_in)}" if self.runs_in is not None else f"raises: {self.raises}".rstrip(".")
+        if self.runs_in is not None:
+            outcome = f"runs in {name(self.runs_in)}"
+        elif self.raises is not None:
+            outcome = f"raises: {self.raises}".rstrip(".")
+        else:
+            outcome = f"runs as its kernel decides: {self.note}".rstrip(".")
         return (
             f"{self.op} under {self.device_type} autocast to {name(self.dtype)}, policy {self.policy}: {listed}. "
             f"With inputs ({inputs}) it {outcome}."
@@ -102,6 +110,9 @@ def explain(
     entry = next((n for n in _entries(name) if n in policy.table), None)
     category = None if entry is None else policy.table[entry]
     cast, runs_in, raises = _run(category, dtype, inputs, policy, entry)
+    note = None
+    if category is None and "::" in name and not name.startswith("aten::"):
+        runs_in, note = None, _CUSTOM_NOTE
     return Explanation(
         op=name,
         entry=entry,
@@ -114,7 +125,15 @@ def explain(
         cast_inputs=cast,
         runs_in=runs_in,
         raises=raises,
+        note=note,
     )
+
+
+_CUSTOM_NOTE = (
+    "an unlisted custom op runs its kernel with autocast on, as native autocast falls through to it, "
+    "so the ops the kernel calls are autocast by their own categories. Give the op a category with "
+    "Policy.with_ops to fix its dtype."
+)
 
 
 def _input_dtypes(given: object) -> tuple[torch.dtype, ...]:
