@@ -275,6 +275,8 @@ def test_custom_op_category_is_seen_by_callable_and_name():
     assert policy.category(torch.ops.mixprec_edit.mm.default) == "fp32"
     assert policy.category(torch.ops.mixprec_edit_lib.mm.default) == "promote"
     assert policy.category(torch.ops.mixprec_edit_lib.mm) is None
+    assert policy.category(custom_mm) == policy.category("mixprec_edit::mm") == "fp32"
+    assert policy.category("aten::mm") == policy.category("mm") == "lower_precision_fp"
     a, b = _x(3, 3, dtype=bf16), _x(3, 3)
     assert _under(policy, torch.ops.mixprec_edit_lib.mm.default, a, b).dtype is f32
 

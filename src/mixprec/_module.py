@@ -64,12 +64,16 @@ class ModulePolicyHandle:
         self.remove()
 
 
-def _check(module: object, policy: object) -> None:
+def _check_module(where: str, module: object) -> None:
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
-            _errors.message("set_module_policy: module has the wrong type", "it must be a torch.nn.Module",
+            _errors.message(f"{where}: module has the wrong type", "it must be a torch.nn.Module",
                             received={"module": module}, expected="a torch.nn.Module")
         )
+
+
+def _check(module: object, policy: object) -> None:
+    _check_module("set_module_policy", module)
     if isinstance(policy, Policy) or policy == FP32:
         return
     raise (ValueError if isinstance(policy, str) else TypeError)(
@@ -163,7 +167,7 @@ class AutocastModule(torch.nn.Module):
         policy: Policy | None = None,
     ) -> None:
         super().__init__()
-        _check(module, FP32)
+        _check_module("AutocastModule", module)
         self.module = module
         self.region = _autocast.autocast(device_type, dtype, enabled, cache_enabled, policy=policy)
 

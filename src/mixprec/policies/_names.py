@@ -42,7 +42,7 @@ def _packet_name(packet: torch._ops.OpOverloadPacket) -> str:
     return qualified.removeprefix("aten::")
 
 
-def _raw_name(op: object) -> str | None:
+def table_key(op: object) -> str | None:
     """The table name ``op`` spells, before checking that it names anything."""
     if isinstance(op, str):
         name = op.strip()
@@ -96,7 +96,7 @@ def op_name(op: object, listed: Mapping[str, object] | None = None) -> str:
         'aten::softmax.int'
     """
     listed = {} if listed is None else listed
-    name = _raw_name(op)
+    name = table_key(op)
     if name is None:
         if isinstance(op, str) or callable(op):
             raise _unknown(op, None, listed)

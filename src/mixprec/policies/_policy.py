@@ -169,8 +169,11 @@ class Policy:
         return _serial.to_toml(self.to_dict())
 
     def category(self, op: str | Callable[..., object]) -> str | None:
-        """The category of ``op`` (a name or a torch callable), or None if unlisted."""
-        found = self.table.get(op.strip()) if isinstance(op, str) else self._by_callable.get(op)
+        """The category of ``op`` (a name, a torch callable or a custom op), or None if unlisted."""
+        found = None if isinstance(op, str) else self._by_callable.get(op)
+        if found is None and (isinstance(op, str) or hasattr(op, "_qualname")):  # a name, or a custom_op object
+            name = _names.table_key(op)
+            found = None if name is None else self.table.get(name)
         return None if found is None else found.value
 
     def ops(self, category: str) -> tuple[str, ...]:
