@@ -123,6 +123,16 @@ def test_without_ops_takes_an_ops_overload_entries_with_it():
     assert _under(policy, torch.mm, _x(2, 2, dtype=f16), _x(2, 2, dtype=f16)).dtype is f16
 
 
+def test_without_ops_refuses_an_overload_its_op_still_covers():
+    with pytest.raises(ValueError, match=r"listed as lower_precision_fp.*op='aten::mm.default'.*without_ops\('mm'\)"):
+        CPU.without_ops(torch.ops.aten.mm.default)
+    listed = CPU.with_ops(fp32=[torch.ops.aten.mm.default])
+    with pytest.raises(ValueError, match="overload out of autocast on its own"):
+        listed.without_ops(torch.ops.aten.mm.default)
+    alone = CPU.without_ops("mm").with_ops(fp32=[torch.ops.aten.mm.default])
+    assert alone.without_ops(torch.ops.aten.mm.default) == CPU.without_ops("mm")
+
+
 # --- without_ops -------------------------------------------------------------------------------------------
 
 

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mixprec
+from mixprec.policies import _names
 
 CPU = mixprec.policies.CPU
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
@@ -116,6 +117,9 @@ def test_edit_sequences_agree_with_a_dict_and_round_trip(base, steps, tmp_path):
         if kind == "with":
             policy = policy.with_ops(**{category: [op for op, _ in ops]})
             model.update(dict.fromkeys(names, category))
+        elif any(_names.op_of_overload(n) in model and _names.op_of_overload(n) not in names for n in names):
+            with pytest.raises(ValueError, match="Cannot take an overload out of autocast on its own"):
+                policy.without_ops([op for op, _ in ops])
         else:
             policy = policy.without_ops([op for op, _ in ops])
             _model_without(model, names)

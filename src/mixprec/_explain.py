@@ -149,10 +149,8 @@ def _input_dtypes(given: object) -> tuple[torch.dtype, ...]:
 
 def _entries(name: str) -> list[str]:
     """The table names that can decide ``name``: its own, then its op's for an overload."""
-    if "::" in name and "." in name:
-        op = name.split(".")[0]
-        return [name, op.removeprefix("aten::")]
-    return [name]
+    op = _names.op_of_overload(name)
+    return [name] if op is None else [name, op]
 
 
 def _eligible(dtype: torch.dtype) -> bool:

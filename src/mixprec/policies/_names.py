@@ -136,3 +136,10 @@ def _iterable(ops: object) -> Iterable[object]:
         )
     )
 
+
+
+def op_of_overload(name: str) -> str | None:
+    """The table name of the op an overload name belongs to (``aten::mm.default`` -> ``mm``), else None."""
+    if "::" not in name or "." not in name:
+        return None
+    return name.split(".")[0].removeprefix("aten::")

@@ -111,7 +111,20 @@ class Policy:
         """
         names = _names.op_names(ops, self.table)
         prefixes = tuple(f"{n}." if "::" in n else f"aten::{n}." for n in names)
-        return self._derived({k: v for k, v in self.table.items() if k not in names and not k.startswith(prefixes)})
+        table = {k: v for k, v in self.table.items() if k not in names and not k.startswith(prefixes)}
+        for name in names:
+            op = _names.op_of_overload(name)
+            if op is not None and op in table:
+                raise ValueError(
+                    _errors.message(
+                        "Cannot take an overload out of autocast on its own",
+                        f"its op is listed as {table[op].value}, and that entry covers every overload",
+                        received={"op": name},
+                        expected=f"the op itself, {op!r}",
+                        fix=f"Use without_ops({op!r}), then with_ops to list the overloads you want autocast.",
+                    )
+                )
+        return self._derived(table)
 
     def _derived(self, table: Mapping[str, Category]) -> Policy:
         return Policy(self.name, types.MappingProxyType(dict(table)), self.base)
