@@ -251,6 +251,36 @@ def test_state_is_kept_when_an_earlier_pre_hook_raises():
     handle.remove()
 
 
+def test_remove_inside_forward_is_refused_and_state_stays_whole():
+    class RemovesItself(nn.Module):
+        def forward(self, x):
+            self.handle.remove()
+            return x
+
+    module = RemovesItself()
+    module.handle = mixprec.set_module_policy(module, "fp32")
+    with mixprec.autocast("cpu"), pytest.raises(RuntimeError, match="forward is running"):
+        module(torch.randn(2))
+    module.handle.remove()
+    with mixprec.autocast("cpu"):
+        assert module(torch.randn(2, dtype=bf16)).dtype is bf16
+
+
+def test_module_policy_state_is_per_thread():
+    import threading
+
+    probe = Probe()
+    seen_in_thread = []
+    with mixprec.set_module_policy(probe, "fp32"), mixprec.autocast("cpu"):
+        worker = threading.Thread(target=lambda: seen_in_thread.append(probe(torch.randn(2, 2, dtype=bf16)).dtype))
+        worker.start()
+        worker.join()
+        probe(torch.randn(2, 2))
+        assert mixprec.is_autocast_enabled("cpu")
+    assert seen_in_thread == [bf16]
+    assert probe.seen == [(False, "CPU", bf16), (False, "CPU", f32)]
+
+
 # --- bad input ---------------------------------------------------------------------------------------------
 
 

@@ -51,9 +51,23 @@ class ModulePolicyHandle:
 
     policy: Policy | str
     _hooks: tuple[Any, ...]
+    _token: object
 
     def remove(self) -> None:
-        """Unregister the hooks; calling it again does nothing."""
+        """Unregister the hooks; calling it again does nothing.
+
+        Raises:
+            RuntimeError: if called while the module's forward runs in this thread,
+                where removing the hook would leave the policy in force.
+        """
+        if any(frame[0] is self._token for frame in _frames.stack):
+            raise RuntimeError(
+                _errors.message(
+                    "Cannot remove a module policy now",
+                    "the module's forward is running, and its policy is undone only when forward returns",
+                    fix="Call remove() after the module's forward has returned.",
+                )
+            )
         for hook in self._hooks:
             hook.remove()
 
@@ -92,6 +106,8 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
     The policy applies to autocast regions open around the call; with no region
     open, ops run as they would (``"fp32"`` casts nothing then). Setting a
     second policy on the same module nests it inside the first until removed.
+    It works through module hooks, so it covers calls ``module(...)``, not
+    direct calls of ``module.forward``.
 
     Args:
         module: The module whose forward (children included) the policy covers.
@@ -140,7 +156,7 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
         module.register_forward_pre_hook(pre_hook, with_kwargs=True),
         module.register_forward_hook(hook, prepend=True, always_call=True),
     )
-    return ModulePolicyHandle(policy, hooks)
+    return ModulePolicyHandle(policy, hooks, token)
 
 
 class AutocastModule(torch.nn.Module):
