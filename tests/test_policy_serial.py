@@ -86,6 +86,8 @@ OPS = [
     (torch.ops.mixprec_serial.mm.default, "mixprec_serial::mm.default"),
 ]
 CATEGORIES = list(mixprec.policies.CATEGORIES)
+_DTYPE_CATEGORIES = ("fp32_set_opt_dtype", "fp32_append_dtype")
+_TAKE_DTYPE = {"softmax", "aten::softmax.int", "sum"}  # of OPS, the ops with a dtype argument
 
 
 def _model_without(model: dict[str, str], names: list[str]) -> None:
@@ -114,7 +116,10 @@ def test_edit_sequences_agree_with_a_dict_and_round_trip(base, steps, tmp_path):
     model = {op: category.value for op, category in policy.table.items()}
     for kind, category, ops in steps:
         names = [name for _, name in ops]
-        if kind == "with":
+        if kind == "with" and category in _DTYPE_CATEGORIES and not all(n in _TAKE_DTYPE for n in names):
+            with pytest.raises(ValueError, match=f"Cannot put this op in {category}.*takes no dtype argument"):
+                policy.with_ops(**{category: [op for op, _ in ops]})
+        elif kind == "with":
             policy = policy.with_ops(**{category: [op for op, _ in ops]})
             model.update(dict.fromkeys(names, category))
         elif any(_names.op_of_overload(n) in model and _names.op_of_overload(n) not in names for n in names):
@@ -133,6 +138,39 @@ def test_edit_sequences_agree_with_a_dict_and_round_trip(base, steps, tmp_path):
     path = tmp_path / "policy.toml"
     path.write_text(policy.to_toml())
     assert mixprec.Policy.from_file(path) == policy
+    _check_dtypes(policy, model)
+
+
+#: (op, call, takes dtype=): ops whose produced dtype is checked after each random sequence.
+_CALLS = [
+    (torch.mm, lambda a: torch.mm(a, a), False),
+    (torch.ops.aten.mm.default, lambda a: torch.ops.aten.mm.default(a, a), False),
+    (torch.softmax, lambda a: torch.softmax(a, -1), True),
+    (torch.ops.aten.softmax.int, lambda a: torch.ops.aten.softmax.int(a, -1), True),
+    (torch.sum, lambda a: torch.sum(a), True),
+    (torch.cat, lambda a: torch.cat([a, a]), False),
+    (torch.exp, lambda a: torch.exp(a), False),
+    (custom_mm, lambda a: custom_mm(a, a), False),
+]
+
+
+def _check_dtypes(policy: mixprec.Policy, model: dict[str, str]) -> None:
+    """The model's category for each op is what explain reports, and explain's dtype is what the op produces."""
+    for op, call, takes_dtype in _CALLS:
+        name = _names.op_name(_names.dispatched(op))
+        entry = next((n for n in (name, _names.op_of_overload(name)) if n in model), None)
+        category = model.get(entry) if entry else None
+        assert takes_dtype or category not in _DTYPE_CATEGORIES  # with_ops refuses that
+        for dtype in (f32, bf16):
+            why = mixprec.explain(op, "cpu", policy, input_dtypes=(dtype, dtype) if call is not None else (dtype,))
+            assert why.category == category, (op, why)
+            with mixprec.autocast("cpu", policy=policy):
+                try:
+                    got = call(torch.randn(3, 3, dtype=dtype)).dtype
+                except RuntimeError:
+                    got = None
+            if why.note is None:
+                assert got is why.runs_in, (op, why)
 
 
 # --- bad input: the bad value and the valid choices --------------------------------------------------------
@@ -163,6 +201,15 @@ def test_an_op_name_that_names_nothing(spelling, suggests):
         CPU.without_ops(spelling)
     with pytest.raises(ValueError, match="names no op"):
         mixprec.Policy.from_dict({"base": "CPU", "ops": {"fp32": [spelling]}})
+
+
+@pytest.mark.parametrize("category", ["fp32_set_opt_dtype", "fp32_append_dtype"])
+def test_dtype_categories_need_an_op_with_a_dtype_argument(category):
+    with pytest.raises(ValueError, match=rf"in {category}.*op='mm'.*Expected an op with a dtype argument.*use the fp32"):
+        CPU.with_ops(**{category: [torch.mm]})
+    with pytest.raises(ValueError, match=r"op='mixprec_serial::mm'"):
+        mixprec.Policy.from_dict({"base": "CPU", "ops": {category: ["mixprec_serial::mm"]}})
+    assert CPU.with_ops(**{category: [torch.softmax, "cumsum", torch.linalg.vector_norm, "norm"]}).ops(category)
 
 
 def test_a_callable_that_is_not_a_torch_op():

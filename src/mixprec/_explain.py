@@ -106,7 +106,7 @@ def explain(
     dtype = _autocast.get_autocast_dtype(device_type) if dtype is None else dtype
     _autocast._check_type("dtype", dtype, torch.dtype)
     inputs = _input_dtypes(input_dtypes)
-    name = _names.op_name(op, policy.table)
+    name = _names.op_name(_names.dispatched(op), policy.table)
     entry = next((n for n in _entries(name) if n in policy.table), None)
     category = None if entry is None else policy.table[entry]
     cast, runs_in, raises = _run(category, dtype, inputs, policy, entry)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import difflib
 import functools
+import inspect
+import types
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -143,3 +145,44 @@ def op_of_overload(name: str) -> str | None:
     if "::" not in name or "." not in name:
         return None
     return name.split(".")[0].removeprefix("aten::")
+
+
+def dispatched(op: object) -> object:
+    """What a call of ``op`` reaches the mode as: a ``custom_op`` object calls its default overload."""
+    overload = getattr(op, "_opoverload", None)
+    return overload if isinstance(overload, torch._ops.OpOverload) else op
+
+
+#: The categories that pass ``dtype=float32`` to the op instead of casting its inputs.
+DTYPE_CATEGORIES = ("fp32_set_opt_dtype", "fp32_append_dtype")
+
+
+def takes_dtype(name: str) -> bool:
+    """Whether a callable that reaches ``name`` has a ``dtype`` argument (ATen schema or Python signature).
+
+    A name that reaches nothing (kept from an older torch) is given the benefit of the doubt.
+    """
+    found = _resolve.callables(name)
+    for func in found:
+        if isinstance(func, torch._ops.OpOverload) and any(a.name == "dtype" for a in func._schema.arguments):
+            return True
+        if isinstance(func, types.FunctionType) and "dtype" in inspect.signature(func).parameters:
+            return True
+    return not found
+
+
+def check_dtype_category(category: str, names: list[str]) -> None:
+    """ValueError if ``category`` passes dtype= and one of ``names`` takes no dtype argument."""
+    if category not in DTYPE_CATEGORIES:
+        return
+    for name in names:
+        if not takes_dtype(name):
+            raise ValueError(
+                _errors.message(
+                    f"Cannot put this op in {category}",
+                    "that category passes dtype=float32 to the op, and the op takes no dtype argument",
+                    received={"op": name},
+                    expected="an op with a dtype argument (e.g. softmax, log_softmax, sum, cumsum, prod, norm)",
+                    fix="To run the op in float32, use the fp32 category, which casts its inputs.",
+                )
+            )

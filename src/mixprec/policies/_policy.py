@@ -98,6 +98,7 @@ class Policy:
         for category, given in ops.items():
             parsed = category_of(category)
             names = _names.op_names(given, self.table)
+            _names.check_dtype_category(parsed.value, names)
             moved.setdefault(parsed.value, []).extend(names)
             table.update(dict.fromkeys(names, parsed))
         _serial.check_once("with_ops", moved, [])
@@ -183,9 +184,10 @@ class Policy:
 
     def category(self, op: str | Callable[..., object]) -> str | None:
         """The category of ``op`` (a name, a torch callable or a custom op), or None if unlisted."""
-        found = None if isinstance(op, str) else self._by_callable.get(op)
-        if found is None and (isinstance(op, str) or hasattr(op, "_qualname")):  # a name, or a custom_op object
-            name = _names.table_key(op)
+        target = _names.dispatched(op)  # a custom_op object: the overload its calls reach
+        found = None if isinstance(target, str) else self._by_callable.get(target)  # type: ignore[call-overload]
+        if found is None and isinstance(target, str):
+            name = _names.table_key(target)
             found = None if name is None else self.table.get(name)
         return None if found is None else found.value
 

@@ -78,7 +78,9 @@ def check(data: object, where: str = "dict") -> tuple[str, str | None, dict[str,
         raise _bad(where, "ops must map categories to op names", "ops", ops, "a table such as {fp32 = ['softmax']}")
     moved: dict[str, list[str]] = {}
     for category, given in ops.items():
-        moved[category_of(category).value] = [_names.op_name(n, listed) for n in _string_list(where, "ops", given)]
+        names = [_names.op_name(n, listed) for n in _string_list(where, "ops", given)]
+        _names.check_dtype_category(category_of(category).value, names)
+        moved[category_of(category).value] = names
     removed = [_names.op_name(n, listed) for n in _string_list(where, "without_ops", data.get("without_ops", []))]
     check_once(where, moved, removed)
     return name, base, moved, removed
