@@ -205,7 +205,8 @@ def test_an_op_name_that_names_nothing(spelling, suggests):
 
 @pytest.mark.parametrize("category", ["fp32_set_opt_dtype", "fp32_append_dtype"])
 def test_dtype_categories_need_an_op_with_a_dtype_argument(category):
-    with pytest.raises(ValueError, match=rf"in {category}.*op='mm'.*Expected an op with a dtype argument.*use the fp32"):
+    pattern = rf"in {category}.*op='mm'.*Expected an op with a dtype argument.*use the fp32"
+    with pytest.raises(ValueError, match=pattern):
         CPU.with_ops(**{category: [torch.mm]})
     with pytest.raises(ValueError, match=r"op='mixprec_serial::mm'"):
         mixprec.Policy.from_dict({"base": "CPU", "ops": {category: ["mixprec_serial::mm"]}})
