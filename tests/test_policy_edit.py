@@ -349,3 +349,35 @@ def test_unlisted_custom_op_with_autograd_matches_native_gradients():
     got.float().sum().backward()
     torch.testing.assert_close(got, native, rtol=0, atol=0)
     torch.testing.assert_close((a.grad, b.grad), expected, rtol=0, atol=0)
+
+
+@torch.library.custom_op("mixprec_edit::two", mutates_args=())
+def custom_two(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x @ x, x + 1
+
+
+@torch.library.custom_op("mixprec_edit::into", mutates_args=("out",))
+def custom_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_(x @ x)
+
+
+@torch.library.custom_op("mixprec_edit::scaled", mutates_args=())
+def custom_scaled(x: torch.Tensor, scale: float = 2.0, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return (x @ x) * scale if bias is None else (x @ x) * scale + bias
+
+
+SHAPES = {
+    "two-outputs": lambda x: custom_two(x),
+    "mutates": lambda x: (custom_into(x, out := torch.empty(3, 3)), out),
+    "keyword": lambda x: custom_scaled(x, bias=x),
+    "packet-positional": lambda x: torch.ops.mixprec_edit.scaled(x, 3.0),
+}
+
+
+@pytest.mark.parametrize("call", SHAPES.values(), ids=SHAPES.keys())
+def test_unlisted_custom_ops_of_every_shape_match_native(call):
+    x = _x(3, 3)
+    with torch.autocast("cpu"):
+        native = call(x)
+    got = _under(CPU, call, x)
+    torch.testing.assert_close(got, native, rtol=0, atol=0)
