@@ -72,12 +72,11 @@ def run_once(target: Target, region: contextlib.AbstractContextManager[Any], rec
     model, inputs, loss_fn = target
     model.zero_grad(set_to_none=True)
     recorder = Recorder(model) if record else contextlib.nullcontext()
-    with recorder:
-        with region:
-            output = model(*inputs)
-            loss = loss_fn(output) if loss_fn is not None else None
-        if loss is not None:
-            loss.float().backward()
+    with recorder, region:
+        output = model(*inputs)
+        loss = loss_fn(output) if loss_fn is not None else None
+    if loss is not None:
+        loss.float().backward()
     bad = nonfinite([t for t in torch.utils._pytree.tree_flatten(output)[0] if isinstance(t, torch.Tensor)])
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
     bad += nonfinite(list(grads.values()))
@@ -93,7 +92,7 @@ def _errors(got: torch.Tensor, ref: torch.Tensor | None) -> tuple[float | None, 
         return None, None
     diff = float((got[both] - ref[both]).abs().max())
     scale = float(ref[both].abs().max())
-    return diff, diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf"))
+    return diff, diff / scale if scale > 0 else None
 
 
 def _lost(ref: torch.Tensor | None, low: torch.dtype) -> tuple[float | None, float | None]:
@@ -122,17 +121,19 @@ def compare(reference: Run, amp: Run, low: torch.dtype) -> list[OpReport]:
                 rec.produced_nonfinite,
             )
         )  # fmt: skip
-    return rows + list(_grad_rows(reference, amp, len(rows)))
+    forward_clean = not any(r.nonfinite_outputs for r in rows)
+    return rows + list(_grad_rows(reference, amp, len(rows), forward_clean))
 
 
-def _grad_rows(reference: Run, amp: Run, start: int) -> Iterator[OpReport]:
+def _grad_rows(reference: Run, amp: Run, start: int, forward_clean: bool) -> Iterator[OpReport]:
+    """A gradient row 'produced' inf/NaN only if the forward had none (else it inherited them)."""
     for i, (name, grad) in enumerate(amp.grads.items()):
         module = name.rpartition(".")[0]
         abs_err, rel_err = _errors(grad, reference.grads.get(name))
         bad = nonfinite([grad])
         yield OpReport(
             start + i, "backward", f"grad of {name}", module, "", ["float32"], ["float32"], 0,
-            abs_err, rel_err, None, None, 0, bad, bad > 0,
+            abs_err, rel_err, None, None, 0, bad, bad > 0 and forward_clean,
         )  # fmt: skip
 
 

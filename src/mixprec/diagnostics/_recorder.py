@@ -31,6 +31,8 @@ import mixprec
 
 _MIXPREC_DIR = os.path.dirname(os.path.abspath(mixprec.__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_DIAGNOSTICS_DIR = os.path.join(_MIXPREC_DIR, "diagnostics") + os.sep
+_TORCH_DISPATCH = os.path.join(_TORCH_DIR, "overrides.py")
 _CAST_FILE = os.path.join(_MIXPREC_DIR, "_cast.py")
 _SKIP = frozenset({"__get__", "__set__", "dim", "size", "numel", "stride", "is_floating_point", "item", "tolist"})
 
@@ -72,14 +74,25 @@ def nonfinite(tensors: list[torch.Tensor]) -> int:
 
 
 def user_source() -> str:
-    """``file:line`` of the innermost frame outside torch and mixprec (the user's line)."""
+    """``file:line`` of the innermost frame outside torch and mixprec (the user's line).
+
+    A model made only of torch modules has no such frame before the doctor's own
+    call; then the innermost torch frame (a module's ``forward``) is the answer.
+    """
     frame = sys._getframe(1)
+    innermost_torch = None
     while frame is not None:
         name = os.path.abspath(frame.f_code.co_filename)
-        if not (name.startswith(_TORCH_DIR) or name.startswith(_MIXPREC_DIR) or name.startswith("<")):
+        if name.startswith(_MIXPREC_DIR):
+            if name.startswith(_DIAGNOSTICS_DIR) and innermost_torch is not None:
+                return innermost_torch
+        elif name.startswith(_TORCH_DIR):
+            if innermost_torch is None and not name.startswith(_TORCH_DISPATCH):
+                innermost_torch = f"{name}:{frame.f_lineno}"
+        elif not name.startswith("<"):
             return f"{name}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
-    return "<unknown>"
+    return innermost_torch or "<unknown>"
 
 
 def op_name(func: Any) -> str:
