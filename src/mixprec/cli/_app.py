@@ -6,8 +6,12 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
-import click
 import typer
+
+try:  # typer >= 0.25 vendors click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_exceptions  # type: ignore[no-redef]
 
 from mixprec.cli._common import CliError
 
@@ -39,7 +43,7 @@ def demo(
 
 @app.command()
 def doctor(
-    target: Annotated[str, typer.Argument(help="path/to/file.py:callable or package.module:callable.")],
+    target: Annotated[str, typer.Argument(metavar="TARGET", help="path/to/file.py:callable or package.module:callable.")],
     device: Device = "cpu",
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 or float16.")] = None,  # noqa: UP045
     policy: Annotated[Optional[Path], typer.Option("--policy", help="A policy TOML file.")] = None,  # noqa: UP045
@@ -85,15 +89,17 @@ def policy_explain(
 def run(argv: list[str] | None = None) -> None:
     """Run the app; bad input prints ``mixprec: error: ...`` on one line and exits with 2."""
     try:
-        app(args=argv, prog_name="mixprec", standalone_mode=False)
+        code = app(args=argv, prog_name="mixprec", standalone_mode=False)  # --help returns its exit code
     except CliError as error:
         _fail(str(error))
-    except click.exceptions.UsageError as error:
+    except click_exceptions.UsageError as error:
         _fail(error.format_message().replace("\n", " "))
-    except click.exceptions.Abort:
+    except click_exceptions.Abort:
         _fail("aborted")
-    except click.exceptions.Exit as done:
+    except click_exceptions.Exit as done:
         sys.exit(done.exit_code)
+    if isinstance(code, int) and code:
+        sys.exit(code)
 
 
 def _fail(text: str) -> None:

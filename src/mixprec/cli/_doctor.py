@@ -153,7 +153,7 @@ def run_doctor(target: str, device: str, dtype: str | None, policy: Path | None,
         diagnosis = diagnose(loaded, device, low, chosen)
     console.print(_table(diagnosis))
     for line in _summary(diagnosis):
-        console.print(line, highlight=False, markup=False)
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
     os.makedirs(out, exist_ok=True)
     report = diagnosis.to_json(target)
     (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))

@@ -45,7 +45,8 @@ def plot_png(report: dict[str, Any]) -> bytes:
     ax.set_yscale("log")
     ax.set_xlabel("op (execution order; backward rows are parameter gradients)")
     ax.set_ylabel("max relative error")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
