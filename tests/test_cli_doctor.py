@@ -7,9 +7,9 @@ import os
 import sys
 
 import pytest
-from _cli import PLANTED, TARGETS, planted_line, run
 
 import mixprec
+from _cli import PLANTED, TARGETS, planted_line, run
 from mixprec.diagnostics import SCHEMA
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from _cli import PLANTED, run
 
 CASES = {

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from _cli import run
 
 import mixprec
+from _cli import run
 
 
 @pytest.mark.parametrize("device,policy", [("cpu", "CPU"), ("cuda", "CUDA"), ("xpu", "XPU"), ("CPU_DOCUMENTED",

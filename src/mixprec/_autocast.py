@@ -76,13 +76,15 @@ class autocast:  # noqa: N801 - torch's name
         state = _state.get()
         device = self.device
         if self._policy is None and state.module_policies:  # the innermost module policy (set_module_policy)
-            setting = _state.DeviceSetting(self._enabled, self.fast_dtype, state.module_policies[-1], self._cache_enabled)
+            inner = state.module_policies[-1]
+            setting = _state.DeviceSetting(self._enabled, self.fast_dtype, inner, self._cache_enabled)
         else:
-            setting = self._setting
-            if setting is None:  # made on first entry, then reused
+            cached = self._setting
+            if cached is None:  # made on first entry, then reused
                 policy = self._policy if self._policy is not None else _default_policy(device)
-                setting = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)
-                self._setting = setting
+                cached = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)
+                self._setting = cached
+            setting = cached
         enter(state, {device: setting})
         return self
 

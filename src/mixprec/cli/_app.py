@@ -43,7 +43,9 @@ def demo(
 
 @app.command()
 def doctor(
-    target: Annotated[str, typer.Argument(metavar="TARGET", help="path/to/file.py:callable or package.module:callable.")],
+    target: Annotated[
+        str, typer.Argument(metavar="TARGET", help="path/to/file.py:callable or package.module:callable.")
+    ],
     device: Device = "cpu",
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 or float16.")] = None,  # noqa: UP045
     policy: Annotated[Optional[Path], typer.Option("--policy", help="A policy TOML file.")] = None,  # noqa: UP045
@@ -94,9 +96,9 @@ def run(argv: list[str] | None = None) -> None:
         _fail(str(error))
     except click_exceptions.UsageError as error:
         _fail(error.format_message().replace("\n", " "))
-    except click_exceptions.Abort:
+    except typer.Abort:
         _fail("aborted")
-    except click_exceptions.Exit as done:
+    except typer.Exit as done:
         sys.exit(done.exit_code)
     if isinstance(code, int) and code:
         sys.exit(code)

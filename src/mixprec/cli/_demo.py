@@ -1,16 +1,20 @@
 """``mixprec demo``: one small CNN trained three ways on scikit-learn's digits, side by side.
 
 Every run starts from the same seed (same weights, same batches): float32,
-bfloat16 autocast, and float16 autocast with mixprec.GradScaler. The first step
-of each run is a warm-up: it is not timed, and it is where casts and memory are
-counted.
+bfloat16 autocast, and float16 autocast with mixprec.GradScaler. The runs are
+interleaved step by step in one process, so load from other processes hits them
+alike; time per step is the median. The first step of each run is a warm-up: it
+is not timed, and it is where casts and memory are counted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,51 +97,79 @@ class _Saved:
         return sum(self.storages.values())
 
 
-def _peak_bytes(device: str, saved: _Saved, model: nn.Module) -> int:
-    if device == "cuda":
-        return int(torch.cuda.max_memory_allocated())
-    params = sum(p.numel() * p.element_size() * 2 for p in model.parameters())  # weights and gradients
-    return saved.total + params
+class Trainer:
+    """One contender's model, optimizer and scaler, stepped by :func:`train_all`."""
 
+    def __init__(self, setup: Setup, device: str, data: tuple[torch.Tensor, ...]) -> None:
+        self.setup, self.device, self.data = setup, device, data
+        torch.manual_seed(SEED)
+        self.model = make_model().to(device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=2e-3)
+        self.scaler = mixprec.GradScaler(device, init_scale=2.0**16, enabled=setup.scaler)
+        self.batches = torch.Generator().manual_seed(SEED)
+        self.losses: list[float] = []
+        self.scales: list[float] = []
+        self.times: list[float] = []
+        self.peak_bytes = 0
+        self.casts = 0
 
-def train(setup: Setup, steps: int, device: str, data: tuple[torch.Tensor, ...], advance: object = None) -> Result:
-    """Train one contender for ``steps`` steps; ``advance()`` is called after each step (a progress bar)."""
-    x_train, y_train, x_test, y_test = data
-    torch.manual_seed(SEED)
-    model = make_model().to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
-    scaler = mixprec.GradScaler(device, init_scale=2.0**16, enabled=setup.scaler)
-    batches = torch.Generator().manual_seed(SEED)
-    losses: list[float] = []
-    scales: list[float] = []
-    saved, counter, timed = _Saved(), CastCounter(), 0.0
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    for step in range(steps + 1):
-        index = torch.randint(0, len(y_train), (BATCH,), generator=batches).to(device)
+    def step(self, warmup: bool) -> None:
+        """One training step; the warm-up step counts casts and memory and is not timed."""
+        x_train, y_train = self.data[0], self.data[1]
+        index = torch.randint(0, len(y_train), (BATCH,), generator=self.batches).to(self.device)
+        saved, counter = _Saved(), CastCounter()
+        if warmup and self.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        if step == 0:
-            with counter, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), _region(setup, device):
-                loss = nn.functional.cross_entropy(model(x_train[index]), y_train[index])
-        else:
-            with _region(setup, device):
-                loss = nn.functional.cross_entropy(model(x_train[index]), y_train[index])
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        with contextlib.ExitStack() as stack:
+            if warmup:
+                stack.enter_context(counter)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t))
+            stack.enter_context(_region(self.setup, self.device))
+            loss = nn.functional.cross_entropy(self.model(x_train[index]), y_train[index])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         value = loss.item()
-        if step > 0:
-            timed += time.perf_counter() - start
-            losses.append(value)
-            scales.append(scaler.get_scale() if setup.scaler else float("nan"))
-        if callable(advance):
-            advance()
-    history = scaler.history[1:] if setup.scaler else []
-    with torch.no_grad(), _region(setup, device):
-        accuracy = float((model(x_test).argmax(1) == y_test).float().mean())
-    return Result(setup, losses, scales, [r.skipped for r in history], timed / steps,
-                  _peak_bytes(device, saved, model), counter.casts, accuracy)  # fmt: skip
+        if warmup:
+            self.casts, self.peak_bytes = counter.casts, self._peak(saved)
+            return
+        self.times.append(time.perf_counter() - start)
+        self.losses.append(value)
+        self.scales.append(self.scaler.get_scale() if self.setup.scaler else float("nan"))
+
+    def _peak(self, saved: _Saved) -> int:
+        if self.device == "cuda":
+            return int(torch.cuda.max_memory_allocated())
+        return saved.total + sum(p.numel() * p.element_size() * 2 for p in self.model.parameters())  # + grads
+
+    def result(self) -> Result:
+        history = self.scaler.history[1:] if self.setup.scaler else []
+        with torch.no_grad(), _region(self.setup, self.device):
+            accuracy = float((self.model(self.data[2]).argmax(1) == self.data[3]).float().mean())
+        return Result(self.setup, self.losses, self.scales, [r.skipped for r in history],
+                      statistics.median(self.times), self.peak_bytes, self.casts, accuracy)  # fmt: skip
+
+
+def train_all(
+    setups: tuple[Setup, ...], steps: int, device: str, data: tuple[torch.Tensor, ...],
+    advance: Callable[[int], object] | None = None,
+) -> list[Result]:  # fmt: skip
+    """Train every contender ``steps`` steps (+1 warm-up), interleaved step by step so that they share the
+    machine's load alike; ``advance(i)`` after contender i's step. Time per step is the median."""
+    trainers = [Trainer(setup, device, data) for setup in setups]
+    for step in range(steps + 1):
+        for i, trainer in enumerate(trainers):
+            trainer.step(warmup=step == 0)
+            if advance is not None:
+                advance(i)
+    return [trainer.result() for trainer in trainers]
+
+
+def train(setup: Setup, steps: int, device: str, data: tuple[torch.Tensor, ...]) -> Result:
+    """Train one contender alone."""
+    return train_all((setup,), steps, device, data)[0]
 
 
 def _cpu_flags() -> set[str]:
@@ -167,7 +199,7 @@ def hardware_note(device: str, dtype: torch.dtype | None) -> str:
         for flag, check in FAST_UNITS[dtype]
         if flag in flags or (check and bool(getattr(torch.cpu, check, lambda: False)()))
     ]
-    return ", ".join(found) if found else "NONE: emulated, slow"
+    return ", ".join(found) if found else "NONE (slow kernels)"
 
 
 def plot(results: list[Result], path: Path) -> None:
@@ -209,12 +241,10 @@ def run_demo(steps: int, device: str, out: Path) -> None:
     data = load_digits(device)
     console.print(f"Digits: {len(data[1])} train / {len(data[3])} test images, batch {BATCH}, {steps} steps per run, "
                   f"{torch.get_num_threads()} threads")  # fmt: skip
-    results = []
-    columns = (TextColumn("{task.description:<32}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description:<28}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        for setup in SETUPS:
-            task = progress.add_task(setup.label, total=steps + 1)
-            results.append(train(setup, steps, device, data, lambda task=task: progress.advance(task)))
+        tasks = [progress.add_task(setup.label, total=steps + 1) for setup in SETUPS]
+        results = train_all(SETUPS, steps, device, data, lambda i: progress.advance(tasks[i]))
     console.print(_table(results, device))
     os.makedirs(out, exist_ok=True)
     plot(results, out / "demo.png")
@@ -226,7 +256,7 @@ def _table(results: list[Result], device: str) -> object:
 
     table = Table(title=f"mixprec demo ({device}, {torch.get_num_threads()} threads)")
     for name in ("run", "time/step", "vs fp32", "peak memory*", "final loss", "test acc", "skipped", "casts/step"):
-        table.add_column(name, justify="left" if name == "run" else "right")
+        table.add_column(name, justify="left" if name == "run" else "right", no_wrap=True)
     table.add_column("fast units")
     base = results[0].seconds_per_step
     for r in results:

@@ -66,7 +66,8 @@ def load_target(target: str) -> tuple[torch.nn.Module, tuple[Any, ...], Callable
         raise CliError(f"TARGET {target!r} returned a {type(model).__name__} as model; expected a torch.nn.Module")
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
     if not isinstance(inputs, (tuple, list)):
-        raise CliError(f"TARGET {target!r} returned {type(inputs).__name__} as example_inputs; expected a tensor or tuple")
+        kind = type(inputs).__name__
+        raise CliError(f"TARGET {target!r} returned {kind} as example_inputs; expected a tensor or tuple")
     if loss_fn is not None and not callable(loss_fn):
         raise CliError(f"TARGET {target!r} returned a {type(loss_fn).__name__} as loss_fn; expected a callable")
     return model, tuple(inputs), loss_fn

@@ -34,7 +34,7 @@ def plot_png(report: dict[str, Any]) -> bytes:
     fig, ax = plt.subplots(figsize=(9, 3.6))
     finite = [(o["index"], o["max_rel_error"]) for o in ops if o["max_rel_error"] and not o["nonfinite_outputs"]]
     if finite:
-        ax.scatter(*zip(*finite, strict=True), s=14, label="max rel error vs float32")
+        ax.scatter([i for i, _ in finite], [e for _, e in finite], s=14, label="max rel error vs float32")
     bad = [o["index"] for o in ops if o["nonfinite_outputs"]]
     top = max((e for _, e in finite), default=1.0)
     if bad:

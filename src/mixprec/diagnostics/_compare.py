@@ -141,7 +141,7 @@ def module_source(model: torch.nn.Module, path: str) -> str:
     """``file:line`` of the ``forward`` of the module at ``path``."""
     forward = type(model.get_submodule(path)).forward
     try:
-        lines, start = inspect.getsourcelines(forward)
+        _, start = inspect.getsourcelines(forward)
         return f"{os.path.abspath(inspect.getsourcefile(forward) or '?')}:{start}"
     except (OSError, TypeError):
         return "<unknown>"

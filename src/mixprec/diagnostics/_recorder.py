@@ -99,7 +99,7 @@ def op_name(func: Any) -> str:
     """A readable name: ``torch.matmul``, ``torch.nn.functional.linear``, ``torch.Tensor.mul``."""
     try:
         name = resolve_name(func)
-    except Exception:  # noqa: BLE001 - resolve_name may fail on exotic callables
+    except Exception:
         name = None
     return name or getattr(func, "__qualname__", None) or repr(func)
 
