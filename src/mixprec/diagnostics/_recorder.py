@@ -82,7 +82,8 @@ def user_source() -> str:
     frame = sys._getframe(1)
     innermost_torch = None
     while frame is not None:
-        name = os.path.abspath(frame.f_code.co_filename)
+        raw = frame.f_code.co_filename
+        name = raw if raw.startswith("<") else os.path.abspath(raw)
         if name.startswith(_MIXPREC_DIR):
             if name.startswith(_DIAGNOSTICS_DIR) and innermost_torch is not None:
                 return innermost_torch
