@@ -72,7 +72,8 @@ def run_once(target: Target, region: contextlib.AbstractContextManager[Any], rec
     model, inputs, loss_fn = target
     model.zero_grad(set_to_none=True)
     recorder = Recorder(model) if record else contextlib.nullcontext()
-    with recorder, region:
+    with torch.random.fork_rng(devices=[]), recorder, region:
+        torch.manual_seed(0)  # the same dropout masks in every run
         output = model(*inputs)
         loss = loss_fn(output) if loss_fn is not None else None
     if loss is not None:
