@@ -13,6 +13,7 @@ CASES = {
     "target-no-colon": (["doctor", "just_text"], "must be path/to/file.py:callable"),
     "target-attribute-missing": (["doctor", f"{PLANTED}:missing"], "has no attribute 'missing'"),
     "target-not-callable": (["doctor", f"{PLANTED}:NOT_CALLABLE"], "is not callable"),
+    "target-raises": (["doctor", f"{PLANTED}:raises"], "raised FileNotFoundError: weights.pt"),
     "target-wrong-shape": (["doctor", f"{PLANTED}:wrong_shape"], "expected (model, example_inputs)"),
     "doctor-unknown-device": (["doctor", f"{PLANTED}:build", "--device", "tpu"], "unknown device 'tpu'"),
     "doctor-unavailable-device": (["doctor", f"{PLANTED}:build", "--device", "mps"], "not available"),

@@ -43,4 +43,8 @@ def wrong_shape():
     return nn.Linear(2, 2)
 
 
+def raises():
+    raise FileNotFoundError("weights.pt")
+
+
 NOT_CALLABLE = 3
