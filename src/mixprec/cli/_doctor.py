@@ -57,7 +57,7 @@ def load_target(target: str) -> tuple[torch.nn.Module, tuple[Any, ...], Callable
         raise CliError(f"TARGET {target!r}: {name!r} is not callable (type {type(factory).__name__})")
     try:
         made = factory()
-    except Exception as error:  # noqa: BLE001 - any failure of the user's factory is bad input
+    except Exception as error:  # any failure of the user's factory is bad input
         raise CliError(f"TARGET {target!r} raised {type(error).__name__}: {error}".replace("\n", " ")) from None
     if not isinstance(made, tuple) or len(made) not in (2, 3):
         raise CliError(
