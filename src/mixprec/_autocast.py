@@ -75,34 +75,21 @@ class autocast:  # noqa: N801 - torch's name
     def __enter__(self) -> autocast:
         state = _state.get()
         device = self.device
-        setting = self._setting
-        if setting is None:
-            policy = self._policy if self._policy is not None else _default_policy(device)
-            setting = self._setting = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)
-        state.saved.append((device, state.devices.get(device)))
-        state.devices[device] = setting
-        if len(state.saved) == 1:
-            state.contexts = (_context(device, setting),) if setting.enabled else ()
-            if state.mode is None:
-                state.mode = _mode.AutocastMode(state)
-            _mode.push(state.mode)
+        if self._policy is None and state.module_policies:  # the innermost module policy (set_module_policy)
+            inner = state.module_policies[-1]
+            setting = _state.DeviceSetting(self._enabled, self.fast_dtype, inner, self._cache_enabled)
         else:
-            _refresh(state)
+            cached = self._setting
+            if cached is None:  # made on first entry, then reused
+                policy = self._policy if self._policy is not None else _default_policy(device)
+                cached = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)
+                self._setting = cached
+            setting = cached
+        enter(state, {device: setting})
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        state = _state.get()
-        device, previous = state.saved.pop()
-        if previous is None:
-            del state.devices[device]
-        else:
-            state.devices[device] = previous
-        if state.saved:
-            _refresh(state)
-            return
-        state.contexts = ()
-        state.cache.clear()
-        _mode.remove(state.mode)
+        leave(_state.get(), 1)
 
     def __call__(self, func: F) -> F:
         @functools.wraps(func)
@@ -117,6 +104,32 @@ class autocast:  # noqa: N801 - torch's name
             f"autocast(device_type={self.device!r}, dtype={self.fast_dtype}, "
             f"enabled={self._enabled}, cache_enabled={self._cache_enabled})"
         )
+
+
+def enter(state: _state.ThreadState, settings: dict[str, _state.DeviceSetting]) -> None:
+    """Open one nesting level per device in ``settings``; the mode goes on the stack with the first."""
+    for device, setting in settings.items():
+        state.saved.append((device, state.devices.get(device)))
+        state.devices[device] = setting
+    _refresh(state)
+    if settings and len(state.saved) == len(settings):
+        if state.mode is None:
+            state.mode = _mode.AutocastMode(state)
+        _mode.push(state.mode)
+
+
+def leave(state: _state.ThreadState, levels: int) -> None:
+    """Close ``levels`` nesting levels; the cache and the mode go when the last one closes."""
+    for _ in range(levels):
+        device, previous = state.saved.pop()
+        if previous is None:
+            del state.devices[device]
+        else:
+            state.devices[device] = previous
+    _refresh(state)
+    if levels and not state.saved:
+        state.cache.clear()
+        _mode.remove(state.mode)
 
 
 def _check_type(name: str, value: object, expected: type, *, optional: bool = False) -> None:

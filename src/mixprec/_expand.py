@@ -13,13 +13,22 @@ longer re-dispatches it. A wrapper without a gate whose closure holds gated
 functions (torch's ``boolean_dispatch``: F.max_pool3d, torch.lu, ...) gets a twin
 that closes over their twins. C++ composites with a port in ``mixprec._ports``
 (``aten::pad``) run the port as their twin. Anything else gets no twin.
+
+Custom ops (``torch.ops`` outside ``aten``) that no policy lists are expanded
+too, as native autocast falls through to their kernels with autocast still on:
+their twin calls the dispatcher directly (``torch._C._dispatch_call_boxed``),
+past the torch-function check, so a Python kernel's inner ops reach the mode.
+A kernel written in C++ runs as before.
 """
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from mixprec import _ports
 
@@ -62,12 +71,29 @@ def _closure_twin(func: types.FunctionType) -> Callable[..., Any] | None:
     return wrapper
 
 
+def _call_overload(overload: Any, *args: Any, **kwargs: Any) -> Any:
+    return torch._C._dispatch_call_boxed(overload._handle, *args, **kwargs)
+
+
+def _call_packet(packet: Any, *args: Any, **kwargs: Any) -> Any:
+    name = torch._C._jit_resolve_packet(packet._qualified_op_name, *args, **kwargs)
+    return _call_overload(getattr(packet, name), *args, **kwargs)
+
+
+def _custom_op_twin(func: Any) -> Callable[..., Any] | None:
+    if isinstance(func, torch._ops.OpOverload) and func.namespace != "aten":
+        return functools.partial(_call_overload, func)
+    if isinstance(func, torch._ops.OpOverloadPacket) and not func._qualified_op_name.startswith("aten::"):
+        return functools.partial(_call_packet, func)
+    return None
+
+
 def _make_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
     port = _ports.ports().get(func)
     if port is not None:
         return port
     if not isinstance(func, types.FunctionType):
-        return None
+        return _custom_op_twin(func)
     code = func.__code__
     if not any(gate in code.co_names for gate in _GATES):
         _twins[func] = None  # a closure that refers to func itself ends here

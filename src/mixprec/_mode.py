@@ -182,7 +182,8 @@ class Compiled:
             return None
         except KeyError:
             made = _expand.twin(func)
-            if made is not None and not _reach.reaches(func, self.names):
+            custom_op = isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+            if made is not None and not custom_op and not _reach.reaches(func, self.names):  # custom ops: always
                 made = None
             self.twins[func] = made
             return made

@@ -47,6 +47,7 @@ class ThreadState(threading.local):
         self.cache: _cast.Cache = {}
         self.mode: Any = None
         self.expanding: list[Callable[..., Any]] = []
+        self.module_policies: list[Policy] = []  # set_module_policy: innermost last
 
     @property
     def nesting(self) -> int:

@@ -82,6 +82,10 @@ def render() -> str:
         "`CUDA_DOCUMENTED` hold the lists of the torch.cpu.amp and torch.cuda.amp references;",
         "`XPU` is the XPU AMP guide's list.",
         "",
+        "Each is a starting point: `Policy.with_ops` / `without_ops` derive a changed policy,",
+        "`Policy.from_file` reads one from TOML, and `mixprec.explain(op)` says which table an op's",
+        "category comes from (see the README's tour).",
+        "",
         "## Where the defaults and the documented lists differ",
         "",
     ]
