@@ -9,6 +9,7 @@ Example:
 
 from mixprec import cpu, cuda, policies, xpu
 from mixprec._autocast import autocast, get_autocast_dtype, get_policy, is_autocast_enabled
+from mixprec._compute import KernelSupport, kernel_support
 from mixprec._custom import custom_bwd, custom_fwd
 from mixprec._errors import AutocastDisabledWarning, MixprecWarning
 from mixprec.policies import Category, Policy
@@ -18,6 +19,7 @@ __all__ = [
     "AutocastDisabledWarning",
     "Category",
     "GradScaler",
+    "KernelSupport",
     "MixprecWarning",
     "Policy",
     "ScaleRecord",
@@ -30,6 +32,7 @@ __all__ = [
     "get_autocast_dtype",
     "get_policy",
     "is_autocast_enabled",
+    "kernel_support",
     "policies",
     "xpu",
 ]

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from mixprec import _devices, _errors, _mode, _state
+from mixprec import _compute, _devices, _errors, _mode, _state
 from mixprec.policies import Policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,6 +42,12 @@ class autocast:  # noqa: N801 - torch's name
             outermost region (default True).
         policy: The op table to apply; defaults to the device's policy. Any
             policy works on any device, e.g. ``policies.CUDA`` on CPU tensors.
+        compute: How ``lower_precision_fp`` ops compute. ``"native"``: on the
+            device's low-precision kernels, as torch autocast. ``"emulated"``:
+            inputs rounded to ``dtype``, float32 kernels, outputs rounded to
+            ``dtype`` (same result dtypes; low-precision saved tensors).
+            ``"auto"`` (default): native where ``mixprec.kernel_support``
+            finds native kernels for ``dtype``, emulated elsewhere.
 
     Example:
         >>> model = torch.nn.Linear(4, 4)
@@ -59,6 +65,7 @@ class autocast:  # noqa: N801 - torch's name
         cache_enabled: bool | None = None,
         *,
         policy: Policy | None = None,
+        compute: str = "auto",
     ) -> None:
         spec = _devices.spec(device_type)
         _check_type("dtype", dtype, torch.dtype, optional=True)
@@ -70,13 +77,17 @@ class autocast:  # noqa: N801 - torch's name
         self._cache_enabled = True if cache_enabled is None else cache_enabled
         self._policy = policy
         self._enabled = enabled and _usable(spec, self.fast_dtype)
+        compute = _compute.check_compute(compute)
+        self._emulate = self._enabled and _compute.emulates(compute, device_type, self.fast_dtype)
 
     def __enter__(self) -> autocast:
         state = _state.get()
         device = self.device
         state.saved.append((device, state.devices.get(device)))
         policy = self._policy if self._policy is not None else _default_policy(device)
-        state.devices[device] = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)
+        state.devices[device] = _state.DeviceSetting(
+            self._enabled, self.fast_dtype, policy, self._cache_enabled, self._emulate
+        )
         _refresh(state)
         if len(state.saved) == 1:
             if state.mode is None:
@@ -153,7 +164,7 @@ def _usable(spec: _devices.DeviceSpec, dtype: torch.dtype) -> bool:
 
 def _refresh(state: _state.ThreadState) -> None:
     state.contexts = tuple(
-        _state.Context(device, s.dtype, s.policy, _mode.rules_for(s.policy), s.cache_enabled)
+        _state.Context(device, s.dtype, s.policy, _mode.rules_for(s.policy), s.cache_enabled, s.emulate)
         for device, s in state.devices.items()
         if s.enabled
     )

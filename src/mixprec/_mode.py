@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixprec import _cast, _expand
+from mixprec import _cast, _emulate, _expand
 from mixprec._state import Context, ThreadState
 from mixprec.policies import Category, Policy
 
@@ -50,6 +50,8 @@ def _cast_to(to_lower: bool) -> Rule:
             return func(*args, **kwargs)
         if to_lower:
             args, kwargs = _cast.cast_call(args, kwargs, ctx.dtype, ctx.device_type, _cache(ctx, state))
+            if ctx.emulate:
+                return _emulate.call(ctx.dtype, func, args, kwargs)
         else:
             args, kwargs = _cast.cast_call(args, kwargs, _float32, ctx.device_type, None)
         return func(*args, **kwargs)

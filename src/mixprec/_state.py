@@ -28,6 +28,7 @@ class Context:
     policy: Policy
     rules: dict[Callable[..., Any], Callable[..., Any]]
     cache_enabled: bool
+    emulate: bool = False  # compute lower_precision_fp ops with float32 kernels (mixprec._emulate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,7 @@ class DeviceSetting:
     dtype: torch.dtype
     policy: Policy
     cache_enabled: bool
+    emulate: bool = False
 
 
 class ThreadState(threading.local):
