@@ -79,23 +79,28 @@ def _needs_graph(tensors: Sequence[Any]) -> bool:
     return torch.is_grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad for t in tensors)
 
 
+def _saved(tensors: Sequence[Any], sources: Sequence[Any], keep: Sequence[bool]) -> list[Any]:
+    """What to save: the float32 parameter a low-precision copy came from, else the copy itself."""
+    return [None if not k else (src if src is not None else t) for t, src, k in zip(tensors, sources, keep, strict=True)]
+
+
 class _Explicit(torch.autograd.Function):
     """A matrix product or convolution with its backward written out (``_emulate_kernels``)."""
 
     @staticmethod
-    def forward(ctx: Any, kernel: _emulate_kernels.Kernel, params: Any, low: torch.dtype, *tensors: Any) -> Any:
+    def forward(ctx: Any, kernel: _emulate_kernels.Kernel, params: Any, low: torch.dtype, sources: Any, *tensors: Any) -> Any:
         ctx.kernel, ctx.params, ctx.low = kernel, params, low
         ctx.shapes = tuple(None if t is None else t.shape for t in tensors)
-        ctx.save_for_backward(*(t if keep else None for t, keep in zip(tensors, kernel.keep, strict=True)))
-        return kernel.forward(params, *(up(t, low) for t in tensors)).to(low)
+        ctx.save_for_backward(*_saved(tensors, sources, kernel.keep))
+        return kernel.forward(params, low, *tensors)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        low = ctx.low
-        saved = [up(t, low) for t in ctx.saved_tensors]
         with paused():
-            grads = ctx.kernel.backward(ctx.params, ctx.needs_input_grad[3:], ctx.shapes, grad.float(), *saved)
-        return (None, None, None, *(down(g, low) for g in grads))
+            grads = ctx.kernel.backward(
+                ctx.params, ctx.low, ctx.needs_input_grad[4:], ctx.shapes, grad, *ctx.saved_tensors
+            )
+        return (None, None, None, None, *grads)
 
 
 _SLOT = object()
@@ -129,11 +134,11 @@ class _Recompute(torch.autograd.Function):
     """Any other op: saves the low-precision inputs, recomputes in float32 for backward."""
 
     @staticmethod
-    def forward(ctx: Any, call: _Call, low: torch.dtype, *tensors: Any) -> Any:
+    def forward(ctx: Any, call: _Call, low: torch.dtype, sources: Any, *tensors: Any) -> Any:
         ctx.call, ctx.low = call, low
         ctx.rng = torch.get_rng_state()
         ctx.devices, ctx.device_rng = get_device_states(*tensors)
-        ctx.save_for_backward(*tensors)
+        ctx.save_for_backward(*_saved(tensors, sources, [True] * len(tensors)))
         out = call(*(up(t, low) for t in tensors))
         outs = tuple(down(t, low) for t in out if isinstance(t, _Tensor))
         ctx.mark_non_differentiable(*(t for t in outs if not t.is_floating_point()))
@@ -142,9 +147,9 @@ class _Recompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         low, saved = ctx.low, ctx.saved_tensors
-        needs = ctx.needs_input_grad[2:]
+        needs = ctx.needs_input_grad[3:]
         inputs = [
-            up(t, low).detach().requires_grad_(need) if isinstance(t, _Tensor) else t
+            _emulate_kernels.r32(t, low).detach().requires_grad_(need) if _is_low(t, low) else t
             for t, need in zip(saved, needs, strict=True)
         ]
         with torch.random.fork_rng(devices=ctx.devices), paused(), torch.enable_grad():
@@ -164,30 +169,64 @@ class _Recompute(torch.autograd.Function):
             if pairs and wanted
             else [None] * len(wanted)
         )
-        return (None, None, *(down(next(found), low) if need else None for need in needs))
+        return (None, None, None, *(down(next(found), low) if need else None for need in needs))
 
 
-def _generic(low: torch.dtype, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    leaves, spec = pytree.tree_flatten((args, kwargs))
+def _sources(tensors: Sequence[Any], originals: Sequence[Any]) -> tuple[Any, ...]:
+    """For each input, the float32 parameter (leaf requiring grad) it was cast from, else None.
+
+    A parameter stays resident anyway, so backward re-rounds it instead of
+    keeping a low-precision copy alive: the weights cost no saved memory.
+    """
+    return tuple(
+        o if o is not t and isinstance(o, _Tensor) and o.dtype is torch.float32 and o.requires_grad and o.is_leaf
+        else None
+        for t, o in zip(tensors, originals, strict=True)
+    )
+
+
+def _is_low(t: Any, low: torch.dtype) -> bool:
+    return isinstance(t, _Tensor) and (t.dtype is low or t.dtype is torch.float32)
+
+
+def _generic(low: torch.dtype, func: Callable[..., Any], cast: tuple[Any, Any], original: tuple[Any, Any]) -> Any:
+    leaves, spec = pytree.tree_flatten(cast)
     if not _all_low(iter(leaves), low):
-        return func(*args, **kwargs)
+        return func(*cast[0], **cast[1])
     where = [i for i, v in enumerate(leaves) if isinstance(v, _Tensor)]
     call = _Call(func, leaves, where, spec)
     tensors = [leaves[i] for i in where]
     if _needs_graph(tensors):
-        return call.rebuild(_Recompute.apply(call, low, *tensors))
+        originals = pytree.tree_leaves(original)
+        sources = _sources(tensors, [originals[i] for i in where]) if len(originals) == len(leaves) else (None,) * len(where)
+        return call.rebuild(_Recompute.apply(call, low, sources, *tensors))
     out = call(*(up(t, low) for t in tensors))
     return call.rebuild([down(t, low) for t in out if isinstance(t, _Tensor)])
 
 
-def call(low: torch.dtype, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run a ``lower_precision_fp`` op, whose inputs autocast has cast to ``low``, emulated."""
+def call(
+    low: torch.dtype,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    original: tuple[tuple[Any, ...], dict[str, Any]],
+) -> Any:
+    """Run a ``lower_precision_fp`` op emulated.
+
+    Args:
+        low: The autocast dtype.
+        func: The op.
+        args, kwargs: The call's arguments, cast to ``low`` by the autocast rule.
+        original: The arguments before that cast, to find the parameters the casts came from.
+    """
     found = _emulate_kernels.explicit(func, args, kwargs)
     if found is None:
-        return _generic(low, func, args, kwargs)
+        return _generic(low, func, (args, kwargs), original)
     kernel, params, tensors = found
     if not _all_low(iter(tensors), low):
         return func(*args, **kwargs)
-    if _needs_graph(tensors):
-        return _Explicit.apply(kernel, params, low, *tensors)
-    return kernel.forward(params, *(up(t, low) for t in tensors)).to(low)
+    if not _needs_graph(tensors):
+        return kernel.forward(params, low, *tensors)
+    bound = _emulate_kernels.explicit(func, *original)
+    sources = _sources(tensors, bound[2]) if bound is not None else (None,) * len(tensors)
+    return _Explicit.apply(kernel, params, low, sources, *tensors)

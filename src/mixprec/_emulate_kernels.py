@@ -32,15 +32,31 @@ Tensor = torch.Tensor
 Grads = tuple[Tensor | None, ...]
 
 
+def r32(t: Any, low: torch.dtype) -> Any:
+    """A tensor's low-precision value in float32: upcast a low tensor, round a float32 one; None stays."""
+    if t is None:
+        return None
+    return t.float() if t.dtype is low else t.to(low).float()
+
+
+def _down(t: Tensor | None, low: torch.dtype) -> Tensor | None:
+    return None if t is None else t.to(low)
+
+
 class Kernel:
-    """One family of ops: ``keep`` says which inputs backward needs."""
+    """One family of ops.
+
+    ``forward`` gets the low-precision inputs; ``backward`` gets the saved
+    inputs (``keep`` says which), each either low-precision or the float32
+    parameter it was cast from, and returns low-precision gradients.
+    """
 
     keep: tuple[bool, ...] = ()
 
-    def forward(self, params: Any, *tensors: Any) -> Tensor:
+    def forward(self, params: Any, low: torch.dtype, *tensors: Any) -> Tensor:
         raise NotImplementedError
 
-    def backward(self, params: Any, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any) -> Grads:
+    def backward(self, params: Any, low: torch.dtype, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any) -> Grads:
         raise NotImplementedError
 
 
@@ -66,39 +82,84 @@ def _matmul_backward(g: Tensor, a: Tensor, b: Tensor, needs: Sequence[bool]) -> 
     )
 
 
+# A linear layer whose float32 output would exceed this many elements is computed
+# in slices of output features, so that no float32 copy of the whole output,
+# weight or output gradient exists at once (an LM head: 256 x 50257 logits).
+CHUNK_ELEMENTS = 1 << 20
+
+
+def _slices(rows: int, features: int) -> list[slice]:
+    step = max(1, CHUNK_ELEMENTS // max(rows, 1))
+    return [slice(j, min(j + step, features)) for j in range(0, features, step)]
+
+
+def _linear_forward_sliced(low: torch.dtype, x: Tensor, w: Tensor, c: Tensor | None) -> Tensor:
+    x32 = x.float()
+    out = torch.empty((*x.shape[:-1], w.shape[0]), dtype=low, device=x.device)
+    for j in _slices(x32.numel() // max(x.shape[-1], 1), w.shape[0]):
+        out[..., j] = torch._C._nn.linear(x32, r32(w[j], low), r32(None if c is None else c[j], low))
+    return out
+
+
+def _linear_backward_sliced(low: torch.dtype, needs: Sequence[bool], g: Tensor, x: Tensor, w: Tensor) -> Grads:
+    g2 = g.reshape(-1, g.shape[-1])
+    x32 = r32(x, low).reshape(-1, x.shape[-1]) if needs[2] else None
+    gx = torch.zeros(x.shape, dtype=torch.float32, device=g.device).reshape(-1, x.shape[-1]) if needs[1] else None
+    gw = torch.empty(w.shape, dtype=low, device=g.device) if needs[2] else None
+    gc = torch.empty(w.shape[0], dtype=low, device=g.device) if needs[0] else None
+    for j in _slices(g2.shape[0], g2.shape[1]):
+        gj = g2[:, j].float()
+        if gx is not None:
+            gx.addmm_(gj, r32(w[j], low))
+        if gw is not None:
+            gw[j] = gj.mT @ x32
+        if gc is not None:
+            gc[j] = gj.sum(0)
+    return gc, _down(None if gx is None else gx.reshape(x.shape), low), gw
+
+
 class _Product(Kernel):
     """mm, addmm, bmm, baddbmm, matmul, linear: tensors ``(c, a, b)``, params ``(kind, beta, alpha)``."""
 
     keep = (False, True, True)
 
-    def forward(self, params: Any, *tensors: Any) -> Tensor:
+    def forward(self, params: Any, low: torch.dtype, *tensors: Any) -> Tensor:
         kind, beta, alpha = params
         c, a, b = tensors
+        if kind == "linear" and len(_slices(a.numel() // max(a.shape[-1], 1), b.shape[0])) > 1:
+            return _linear_forward_sliced(low, a, b, c)
+        c, a, b = (r32(t, low) for t in tensors)
         if kind == "linear":
-            return torch._C._nn.linear(a, b, c)
-        if kind == "matmul":
-            return torch.matmul(a, b)
-        if c is None:
-            return torch.mm(a, b) if kind == "mm" else torch.bmm(a, b)
-        add = torch.addmm if kind == "mm" else torch.baddbmm
-        return add(c, a, b, beta=beta, alpha=alpha)
+            out = torch._C._nn.linear(a, b, c)
+        elif kind == "matmul":
+            out = torch.matmul(a, b)
+        elif c is None:
+            out = torch.mm(a, b) if kind == "mm" else torch.bmm(a, b)
+        else:
+            add = torch.addmm if kind == "mm" else torch.baddbmm
+            out = add(c, a, b, beta=beta, alpha=alpha)
+        return out.to(low)
 
-    def backward(self, params: Any, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any) -> Grads:
+    def backward(self, params: Any, low: torch.dtype, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any) -> Grads:
         kind, beta, alpha = params
         _, a, b = saved
+        if kind == "linear" and len(_slices(g.numel() // max(g.shape[-1], 1), g.shape[-1])) > 1:
+            gc, ga, gb = _linear_backward_sliced(low, needs, g, a, b)
+            return (None if gc is None else gc.sum_to_size(shapes[0])), ga, gb
+        g, a, b = g.float(), r32(a, low), r32(b, low)
         if kind == "linear":
             g2 = g.reshape(-1, g.shape[-1])
             ga = g @ b if needs[1] else None
             gb = g2.mT @ a.reshape(-1, a.shape[-1]) if needs[2] else None
             gc = g2.sum(0).sum_to_size(shapes[0]) if needs[0] else None
-            return gc, ga, gb
-        if kind == "matmul":
-            return (None, *_matmul_backward(g, a, b, needs[1:]))
-        ga, gb = _mm_backward(g, a, b, needs[1:])
-        if alpha != 1:
-            ga, gb = (None if t is None else t * alpha for t in (ga, gb))
-        gc = (g * beta if beta != 1 else g).sum_to_size(shapes[0]) if needs[0] else None
-        return gc, ga, gb
+        elif kind == "matmul":
+            gc, (ga, gb) = None, _matmul_backward(g, a, b, needs[1:])
+        else:
+            ga, gb = _mm_backward(g, a, b, needs[1:])
+            if alpha != 1:
+                ga, gb = (None if t is None else t * alpha for t in (ga, gb))
+            gc = (g * beta if beta != 1 else g).sum_to_size(shapes[0]) if needs[0] else None
+        return _down(gc, low), _down(ga, low), _down(gb, low)
 
 
 class _Conv(Kernel):
@@ -106,16 +167,16 @@ class _Conv(Kernel):
 
     keep = (True, True, False)
 
-    def forward(self, params: Any, *tensors: Any) -> Tensor:
+    def forward(self, params: Any, low: torch.dtype, *tensors: Any) -> Tensor:
         stride, padding, dilation, transposed, output_padding, groups, unbatched = params
-        x, w, c = tensors
+        x, w, c = (r32(t, low) for t in tensors)
         x = x.unsqueeze(0) if unbatched else x
         y = torch.convolution(x, w, c, stride, padding, dilation, transposed, output_padding, groups)
-        return y.squeeze(0) if unbatched else y
+        return (y.squeeze(0) if unbatched else y).to(low)
 
-    def backward(self, params: Any, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any) -> Grads:
+    def backward(self, params: Any, low: torch.dtype, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any) -> Grads:
         stride, padding, dilation, transposed, output_padding, groups, unbatched = params
-        x, w, _ = saved
+        g, x, w = g.float(), r32(saved[0], low), r32(saved[1], low)
         if unbatched:
             x, g = x.unsqueeze(0), g.unsqueeze(0)
         bias_sizes = list(shapes[2]) if needs[2] else None
@@ -124,7 +185,7 @@ class _Conv(Kernel):
         )
         if unbatched and gx is not None:
             gx = gx.squeeze(0)
-        return gx, gw, gc
+        return _down(gx, low), _down(gw, low), _down(gc, low)
 
 
 PRODUCT = _Product()

@@ -49,9 +49,10 @@ def _cast_to(to_lower: bool) -> Rule:
         if _explicit_dtype_or_out(args, kwargs):
             return func(*args, **kwargs)
         if to_lower:
-            args, kwargs = _cast.cast_call(args, kwargs, ctx.dtype, ctx.device_type, _cache(ctx, state))
+            cast = _cast.cast_call(args, kwargs, ctx.dtype, ctx.device_type, _cache(ctx, state))
             if ctx.emulate:
-                return _emulate.call(ctx.dtype, func, args, kwargs)
+                return _emulate.call(ctx.dtype, func, *cast, original=(args, kwargs))
+            args, kwargs = cast
         else:
             args, kwargs = _cast.cast_call(args, kwargs, _float32, ctx.device_type, None)
         return func(*args, **kwargs)
