@@ -173,13 +173,13 @@ class _Recompute(torch.autograd.Function):
 
 
 def _sources(tensors: Sequence[Any], originals: Sequence[Any]) -> tuple[Any, ...]:
-    """For each input, the float32 parameter (leaf requiring grad) it was cast from, else None.
+    """For each input, the float32 ``nn.Parameter`` it was cast from, else None.
 
     A parameter stays resident anyway, so backward re-rounds it instead of
     keeping a low-precision copy alive: the weights cost no saved memory.
     """
     return tuple(
-        o if o is not t and isinstance(o, _Tensor) and o.dtype is torch.float32 and o.requires_grad and o.is_leaf
+        o if o is not t and isinstance(o, torch.nn.Parameter) and o.dtype is torch.float32 and o.requires_grad
         else None
         for t, o in zip(tensors, originals, strict=True)
     )

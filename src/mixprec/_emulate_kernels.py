@@ -73,8 +73,8 @@ def _matmul_backward(g: Tensor, a: Tensor, b: Tensor, needs: Sequence[bool]) -> 
         return (None if ga is None else ga.reshape(a.shape)), gb
     a2 = a.unsqueeze(0) if a.dim() == 1 else a
     b2 = b.unsqueeze(-1) if b.dim() == 1 else b
-    g2 = g.unsqueeze(-2) if a.dim() == 1 else g
-    g2 = g2.unsqueeze(-1) if b.dim() == 1 else g2
+    g2 = g.unsqueeze(-1) if b.dim() == 1 else g
+    g2 = g2.unsqueeze(-2) if a.dim() == 1 else g2
     ga, gb = _mm_backward(g2, a2, b2, needs)
     return (
         None if ga is None else ga.sum_to_size(a2.shape).reshape(a.shape),
