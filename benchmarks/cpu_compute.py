@@ -109,9 +109,7 @@ def peak_bytes(trainer: Trainer, ids: torch.Tensor) -> int:
     """The step's peak CPU allocation above what was live at its start (profiler memory events)."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer.step(ids)
-    events = sorted(
-        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
-    )
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
     for _, nbytes in events:
         live += nbytes
@@ -169,15 +167,19 @@ def summarize(trainers: dict[str, Trainer], peaks: dict[str, int]) -> dict[str, 
 
 
 def report(result: dict[str, Any], repeats: int) -> None:
-    print(f"torch {torch.__version__}, Python {platform.python_version()}, {torch.get_num_threads()} thread(s), "
-          f"{repeats} interleaved repetitions")
+    print(
+        f"torch {torch.__version__}, Python {platform.python_version()}, {torch.get_num_threads()} thread(s), "
+        f"{repeats} interleaved repetitions"
+    )
     for dtype in (BF16, FP16):
         print(" ", mixprec.kernel_support("cpu", dtype))
     print("| contender | median step ms | / fp32 | / torch bf16 | median loss | loss gap vs torch bf16 | peak MiB |")
     print("|-----------|---------------:|-------:|-------------:|------------:|-----------------------:|---------:|")
     for name, row in result["rows"].items():
-        print(f"| {name} | {row['median_ms']:.1f} | {row['vs_fp32']:.3f} | {row['vs_torch_bf16']:.3f} | "
-              f"{row['loss_median']:.4f} | {row['loss_gap_vs_torch_bf16']:.2e} | {row['peak_mib']:.1f} |")
+        print(
+            f"| {name} | {row['median_ms']:.1f} | {row['vs_fp32']:.3f} | {row['vs_torch_bf16']:.3f} | "
+            f"{row['loss_median']:.4f} | {row['loss_gap_vs_torch_bf16']:.2e} | {row['peak_mib']:.1f} |"
+        )
     for goal, met in result["goals"].items():
         print(f"{goal}: {'met' if met else 'MISSED'}")
 

@@ -61,7 +61,8 @@ def test_cpu_rule_follows_the_flags(case: str, flags) -> None:  # type: ignore[n
 
 
 @pytest.mark.parametrize(
-    ("isa", "native"), [("AVX2", False), ("AVX512_CORE", False), ("AVX512_CORE_BF16", True), ("ALL", True), ("bogus", True)]
+    ("isa", "native"),
+    [("AVX2", False), ("AVX512_CORE", False), ("AVX512_CORE_BF16", True), ("ALL", True), ("bogus", True)],
 )
 def test_onednn_isa_cap_turns_native_off(isa: str, native: bool, flags, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     flags("avx512f", "avx512_bf16")
@@ -89,7 +90,9 @@ def _emulating() -> bool:
     return ctx.emulate
 
 
-@pytest.mark.parametrize(("cpu_flags", "expected"), [(("avx512_bf16",), False), (("avx2",), True)], ids=["bf16", "avx2"])
+@pytest.mark.parametrize(
+    ("cpu_flags", "expected"), [(("avx512_bf16",), False), (("avx2",), True)], ids=["bf16", "avx2"]
+)
 def test_auto_emulates_where_kernels_are_not_native(cpu_flags: tuple[str, ...], expected: bool, flags) -> None:  # type: ignore[no-untyped-def]
     flags(*cpu_flags)
     with mixprec.autocast("cpu", dtype=torch.bfloat16):

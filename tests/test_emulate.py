@@ -39,7 +39,9 @@ def _rounded(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Ten
     return torch.randn(shape, generator=g).to(dtype).float().requires_grad_()
 
 
-def _run(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor, region: Any) -> list[torch.Tensor]:
+def _run(
+    fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor, region: Any
+) -> list[torch.Tensor]:
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     with region:
         out = fn(*leaves)
@@ -47,7 +49,9 @@ def _run(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torc
     return [out.detach(), *(t.grad for t in leaves)]
 
 
-def _reference(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor, absolute: bool) -> list[torch.Tensor]:
+def _reference(
+    fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor, absolute: bool
+) -> list[torch.Tensor]:
     leaves = [(t.detach().abs() if absolute else t.detach()).double().requires_grad_() for t in inputs]
     out = fn(*leaves)
     out.backward(grad.double().abs() if absolute else grad.double())
@@ -90,11 +94,24 @@ def test_mm(dtype: str, m: int, k: int, n: int, seed: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @FAST
-@given(m=dims, k=dims, n=dims, full=st.booleans(), beta=st.sampled_from([1.0, 0.5]), alpha=st.sampled_from([1.0, 2.0]), seed=st.integers(0, 2**16))
+@given(
+    m=dims,
+    k=dims,
+    n=dims,
+    full=st.booleans(),
+    beta=st.sampled_from([1.0, 0.5]),
+    alpha=st.sampled_from([1.0, 2.0]),
+    seed=st.integers(0, 2**16),
+)
 def test_addmm(dtype: str, m: int, k: int, n: int, full: bool, beta: float, alpha: float, seed: int) -> None:
     d = DTYPES[dtype]
     c = _rounded((m, n) if full else (n,), d, seed + 2)
-    check(lambda c, a, b: torch.addmm(c, a, b, beta=beta, alpha=alpha), [c, _rounded((m, k), d, seed), _rounded((k, n), d, seed + 1)], d, k + 1)
+    check(
+        lambda c, a, b: torch.addmm(c, a, b, beta=beta, alpha=alpha),
+        [c, _rounded((m, k), d, seed), _rounded((k, n), d, seed + 1)],
+        d,
+        k + 1,
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -156,8 +173,30 @@ CONVS: dict[str, tuple[Callable[..., torch.Tensor], int]] = {
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", CONVS)
 @settings(max_examples=6, deadline=None, derandomize=True)
-@given(cin=st.integers(1, 3), cout=st.integers(1, 3), size=st.integers(3, 6), kernel=st.integers(1, 3), stride=st.integers(1, 2), padding=st.integers(0, 1), bias=st.booleans(), batched=st.booleans(), seed=st.integers(0, 2**16))
-def test_convolution(dtype: str, op: str, cin: int, cout: int, size: int, kernel: int, stride: int, padding: int, bias: bool, batched: bool, seed: int) -> None:
+@given(
+    cin=st.integers(1, 3),
+    cout=st.integers(1, 3),
+    size=st.integers(3, 6),
+    kernel=st.integers(1, 3),
+    stride=st.integers(1, 2),
+    padding=st.integers(0, 1),
+    bias=st.booleans(),
+    batched=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_convolution(
+    dtype: str,
+    op: str,
+    cin: int,
+    cout: int,
+    size: int,
+    kernel: int,
+    stride: int,
+    padding: int,
+    bias: bool,
+    batched: bool,
+    seed: int,
+) -> None:
     d = DTYPES[dtype]
     fn, n = CONVS[op]
     transposed = op.startswith("conv_transpose")
@@ -170,7 +209,9 @@ def test_convolution(dtype: str, op: str, cin: int, cout: int, size: int, kernel
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_convolution_with_string_padding(dtype: str) -> None:
     d = DTYPES[dtype]
-    check(lambda x, w: F.conv2d(x, w, padding="same"), [_rounded((1, 2, 5, 5), d, 1), _rounded((3, 2, 3, 3), d, 2)], d, 19)
+    check(
+        lambda x, w: F.conv2d(x, w, padding="same"), [_rounded((1, 2, 5, 5), d, 1), _rounded((3, 2, 3, 3), d, 2)], d, 19
+    )
 
 
 class _KernelDtypes(TorchDispatchMode):
@@ -211,9 +252,8 @@ def test_saved_tensors_are_low_precision_or_parameters() -> None:
         return t
 
     x = torch.randn(5, 8, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with mixprec.autocast("cpu", compute="emulated"):
-            out = model(x)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mixprec.autocast("cpu", compute="emulated"):
+        out = model(x)
     out.float().sum().backward()
     assert saved
     assert all(t.dtype is torch.bfloat16 or id(t) in params for t in saved), [(t.dtype, t.shape) for t in saved]
@@ -246,8 +286,11 @@ RNNS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 CELLS = {"lstm_cell": torch.nn.LSTMCell, "gru_cell": torch.nn.GRUCell, "rnn_cell": torch.nn.RNNCell}
 POLICY_WITH_GRU = mixprec.Policy.from_lists(
-    "cpu+gru", {**{c: list(mixprec.policies.CPU.ops(c)) for c in ("lower_precision_fp", "fp32", "promote")},
-                "lower_precision_fp": [*mixprec.policies.CPU.ops("lower_precision_fp"), "gru"]}
+    "cpu+gru",
+    {
+        **{c: list(mixprec.policies.CPU.ops(c)) for c in ("lower_precision_fp", "fp32", "promote")},
+        "lower_precision_fp": [*mixprec.policies.CPU.ops("lower_precision_fp"), "gru"],
+    },
 )
 
 
@@ -261,7 +304,10 @@ def _train(module: torch.nn.Module, x: torch.Tensor, region: Callable[[], Any], 
         out = out[0] if isinstance(out, tuple) else out
         loss = out.float().pow(2).mean()
         loss.backward()
-        assert all(p.grad is not None and p.grad.dtype is torch.float32 and p.grad.isfinite().all() for p in module.parameters())
+        assert all(
+            p.grad is not None and p.grad.dtype is torch.float32 and p.grad.isfinite().all()
+            for p in module.parameters()
+        )
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())

@@ -45,9 +45,21 @@ COMPUTE_MODES = ("auto", "native", "emulated")
 # oneDNN's ISA names in increasing order (ONEDNN_MAX_CPU_ISA values), and the
 # lowest that has each dtype's dot-product instructions.
 _ONEDNN_ISAS = (
-    "SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
-    "AVX512_CORE_BF16", "AVX10_1_512", "AVX512_CORE_FP16", "AVX10_1_512_AMX", "AVX512_CORE_AMX",
-    "AVX10_1_512_AMX_FP16", "AVX512_CORE_AMX_FP16", "ALL",
+    "SSE41",
+    "AVX",
+    "AVX2",
+    "AVX2_VNNI",
+    "AVX2_VNNI_2",
+    "AVX512_CORE",
+    "AVX512_CORE_VNNI",
+    "AVX512_CORE_BF16",
+    "AVX10_1_512",
+    "AVX512_CORE_FP16",
+    "AVX10_1_512_AMX",
+    "AVX512_CORE_AMX",
+    "AVX10_1_512_AMX_FP16",
+    "AVX512_CORE_AMX_FP16",
+    "ALL",
 )
 _ONEDNN_NEEDS = {torch.bfloat16: "AVX512_CORE_BF16", torch.float16: "AVX10_1_512"}
 

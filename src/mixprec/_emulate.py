@@ -81,14 +81,18 @@ def _needs_graph(tensors: Sequence[Any]) -> bool:
 
 def _saved(tensors: Sequence[Any], sources: Sequence[Any], keep: Sequence[bool]) -> list[Any]:
     """What to save: the float32 parameter a low-precision copy came from, else the copy itself."""
-    return [None if not k else (src if src is not None else t) for t, src, k in zip(tensors, sources, keep, strict=True)]
+    return [
+        None if not k else (src if src is not None else t) for t, src, k in zip(tensors, sources, keep, strict=True)
+    ]
 
 
 class _Explicit(torch.autograd.Function):
     """A matrix product or convolution with its backward written out (``_emulate_kernels``)."""
 
     @staticmethod
-    def forward(ctx: Any, kernel: _emulate_kernels.Kernel, params: Any, low: torch.dtype, sources: Any, *tensors: Any) -> Any:
+    def forward(
+        ctx: Any, kernel: _emulate_kernels.Kernel, params: Any, low: torch.dtype, sources: Any, *tensors: Any
+    ) -> Any:
         ctx.kernel, ctx.params, ctx.low = kernel, params, low
         ctx.shapes = tuple(None if t is None else t.shape for t in tensors)
         ctx.save_for_backward(*_saved(tensors, sources, kernel.keep))
@@ -179,8 +183,7 @@ def _sources(tensors: Sequence[Any], originals: Sequence[Any]) -> tuple[Any, ...
     keeping a low-precision copy alive: the weights cost no saved memory.
     """
     return tuple(
-        o if o is not t and isinstance(o, torch.nn.Parameter) and o.dtype is torch.float32 and o.requires_grad
-        else None
+        o if o is not t and isinstance(o, torch.nn.Parameter) and o.dtype is torch.float32 and o.requires_grad else None
         for t, o in zip(tensors, originals, strict=True)
     )
 
@@ -198,7 +201,9 @@ def _generic(low: torch.dtype, func: Callable[..., Any], cast: tuple[Any, Any], 
     tensors = [leaves[i] for i in where]
     if _needs_graph(tensors):
         originals = pytree.tree_leaves(original)
-        sources = _sources(tensors, [originals[i] for i in where]) if len(originals) == len(leaves) else (None,) * len(where)
+        sources = (
+            _sources(tensors, [originals[i] for i in where]) if len(originals) == len(leaves) else (None,) * len(where)
+        )
         return call.rebuild(_Recompute.apply(call, low, sources, *tensors))
     out = call(*(up(t, low) for t in tensors))
     return call.rebuild([down(t, low) for t in out if isinstance(t, _Tensor)])

@@ -56,7 +56,9 @@ class Kernel:
     def forward(self, params: Any, low: torch.dtype, *tensors: Any) -> Tensor:
         raise NotImplementedError
 
-    def backward(self, params: Any, low: torch.dtype, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any) -> Grads:
+    def backward(
+        self, params: Any, low: torch.dtype, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any
+    ) -> Grads:
         raise NotImplementedError
 
 
@@ -111,7 +113,7 @@ def _linear_backward_sliced(low: torch.dtype, needs: Sequence[bool], g: Tensor, 
         gj = g2[:, j].float()
         if gx is not None:
             gx.addmm_(gj, r32(w[j], low))
-        if gw is not None:
+        if gw is not None and x32 is not None:
             gw[j] = gj.mT @ x32
         if gc is not None:
             gc[j] = gj.sum(0)
@@ -140,7 +142,9 @@ class _Product(Kernel):
             out = add(c, a, b, beta=beta, alpha=alpha)
         return out.to(low)
 
-    def backward(self, params: Any, low: torch.dtype, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any) -> Grads:
+    def backward(
+        self, params: Any, low: torch.dtype, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any
+    ) -> Grads:
         kind, beta, alpha = params
         _, a, b = saved
         if kind == "linear" and len(_slices(g.numel() // max(g.shape[-1], 1), g.shape[-1])) > 1:
@@ -174,7 +178,9 @@ class _Conv(Kernel):
         y = torch.convolution(x, w, c, stride, padding, dilation, transposed, output_padding, groups)
         return (y.squeeze(0) if unbatched else y).to(low)
 
-    def backward(self, params: Any, low: torch.dtype, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any) -> Grads:
+    def backward(
+        self, params: Any, low: torch.dtype, needs: Sequence[bool], shapes: Sequence[Any], g: Tensor, *saved: Any
+    ) -> Grads:
         stride, padding, dilation, transposed, output_padding, groups, unbatched = params
         g, x, w = g.float(), r32(saved[0], low), r32(saved[1], low)
         if unbatched:
@@ -200,7 +206,9 @@ def _expand(value: Any, n: int) -> list[int]:
 
 
 def _conv_params(n: int, transposed: bool) -> Callable[..., Bound]:
-    def bind(input: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any, out_pad: Any, groups: Any) -> Bound:
+    def bind(
+        input: Any, weight: Any, bias: Any, stride: Any, padding: Any, dilation: Any, out_pad: Any, groups: Any
+    ) -> Bound:
         if isinstance(padding, str) or not isinstance(input, Tensor):
             return None, ()
         expand = functools.partial(_expand, n=n)
@@ -214,7 +222,9 @@ def _conv_params(n: int, transposed: bool) -> Callable[..., Bound]:
 def _conv(n: int) -> Callable[..., Bound]:
     params = _conv_params(n, transposed=False)
 
-    def conv(input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Bound:
+    def conv(
+        input: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1, groups: int = 1
+    ) -> Bound:
         return params(input, weight, bias, stride, padding, dilation, 0, groups)
 
     return conv
@@ -283,7 +293,9 @@ def _table() -> dict[Callable[..., Any], tuple[Kernel, Callable[..., Bound]]]:
     return {func: entry for name, entry in _BINDERS.items() for func in _resolve.callables(name)}
 
 
-def explicit(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Kernel, Any, tuple[Any, ...]] | None:
+def explicit(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Kernel, Any, tuple[Any, ...]] | None:
     """The kernel, params and tensors of a call it has a written-out backward for, else None."""
     try:
         entry = _table().get(func)
