@@ -281,7 +281,8 @@ def test_emulated_sdpa_with_dropout_recomputes_the_same_mask() -> None:
 RNNS: dict[str, Callable[[], torch.nn.Module]] = {
     "lstm": lambda: torch.nn.LSTM(6, 8, num_layers=2, batch_first=True),
     "lstm_dropout": lambda: torch.nn.LSTM(6, 8, num_layers=2, dropout=0.3, bidirectional=True),
-    "gru": lambda: torch.nn.GRU(6, 8, num_layers=2, batch_first=True),
+    "gru": lambda: torch.nn.GRU(6, 8, num_layers=2, batch_first=True),  # listed by POLICY_WITH_GRU
+    "gru_cpu_policy": lambda: torch.nn.GRU(6, 8, batch_first=True),  # unlisted on CPU: float32, as natively
     "rnn": lambda: torch.nn.RNN(6, 8, batch_first=True),
 }
 CELLS = {"lstm_cell": torch.nn.LSTMCell, "gru_cell": torch.nn.GRUCell, "rnn_cell": torch.nn.RNNCell}
@@ -413,3 +414,13 @@ def test_inputs_outside_autocast_eligibility_run_unchanged() -> None:
     assert out.dtype is torch.float64
     torch.testing.assert_close(out, a @ b)
     assert no_grad_out.dtype is torch.bfloat16
+
+
+def test_parameter_modified_in_place_before_backward_raises() -> None:
+    layer = torch.nn.Linear(4, 4)
+    with mixprec.autocast("cpu", compute="emulated"):
+        out = layer(torch.randn(2, 4, requires_grad=True))
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.float().sum().backward()

@@ -7,7 +7,9 @@ and its result has the dtype native autocast gives. In between::
     forward:   x32 = x_low.float()                  # exact
                y32 = op(x32, ...)                   # float32 kernels
                return y32.to(low)                   # one rounding per output
-    saved:     the low-precision inputs x_low       # activation memory as native
+    saved:     the low-precision inputs x_low       # activation memory as native; a weight
+                                                    # (nn.Parameter cast by autocast) is saved as
+                                                    # the parameter itself and re-rounded in backward
     backward:  g32 = grad_low.float(); x32 = x_low.float()
                grad_x32 = op's backward(g32, x32)   # float32 kernels
                return grad_x32.to(low)
@@ -23,6 +25,15 @@ nn.GRU, ...) goes through ``_Recompute``: it saves the low-precision inputs and
 the random-number state, and its backward recomputes the op in float32 from
 them, then differentiates that. A composite (lstm, multi_dot) is rounded at its
 boundary only, not between the steps it makes inside.
+
+Saving the parameter rather than its low-precision copy holds no extra memory
+(the parameter is resident anyway) and frees the copy when the region exits.
+One consequence: like a float32 op, and unlike native autocast, backward raises
+if the parameter was modified in place between forward and backward.
+
+Linear layers with a large output (an LM head's logits) are computed in slices
+of output features (``_emulate_kernels.CHUNK_ELEMENTS``), so that no float32
+copy of the whole output, weight or output gradient is ever made.
 
 An op whose floating inputs are not all in the autocast dtype after casting
 (float64 ones, or another low-precision dtype) runs as native autocast runs it.
