@@ -44,7 +44,6 @@ CASES: dict[str, tuple[Callable[..., object], tuple[tuple[int, ...], ...]]] = {
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
         ((4, 4, 256, 64),) * 3,
     ),
-    "convert 256x512 to fp32": (lambda x: x.float(), ((256, 512),)),
 }
 
 

@@ -16,6 +16,9 @@ random shapes (hypothesis). Dtypes must match exactly.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -424,3 +427,33 @@ def test_parameter_modified_in_place_before_backward_raises() -> None:
         layer.weight.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.float().sum().backward()
+
+
+_AVX2_SCRIPT = """
+import torch, mixprec
+for dtype in (torch.bfloat16, torch.float16):
+    assert not mixprec.kernel_support("cpu", dtype).native
+    for cls in (torch.nn.LSTM, torch.nn.GRU):
+        torch.manual_seed(0)
+        module = cls(6, 8, num_layers=2, batch_first=True)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        x = torch.randn(4, 5, 6)
+        losses = []
+        for _ in range(5):
+            with mixprec.autocast("cpu", dtype=dtype):
+                out, _ = module(x)
+            loss = out.float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[-1] < losses[0], (cls, dtype, losses)
+print("trained")
+"""
+
+
+def test_recurrent_modules_train_where_onednn_has_no_low_precision_kernels() -> None:
+    """oneDNN capped at AVX2, as on a CPU without AVX512: native bf16/fp16 LSTM autocast raises there."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run([sys.executable, "-c", _AVX2_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "trained" in done.stdout, done.stderr[-2000:]
