@@ -6,6 +6,7 @@ same batches, same dropout seed per step):
 * ``fp32``:           no autocast
 * ``torch bf16``:     ``torch.autocast("cpu", dtype=torch.bfloat16)``
 * ``mixprec emu bf16``: ``mixprec.autocast("cpu", dtype=torch.bfloat16, compute="emulated")``
+* ``mixprec auto bf16``: the same with ``compute="auto"`` (native where the CPU has fast bfloat16 kernels)
 * with ``--fp16``: ``torch fp16`` and ``mixprec auto fp16`` (``compute="auto"``, which
   picks emulated where the CPU has no native float16 matrix kernels)
 
@@ -61,6 +62,7 @@ def contenders(fp16: bool) -> dict[str, Callable[[], Any]]:
         "fp32": contextlib.nullcontext,
         "torch bf16": lambda: torch.autocast("cpu", dtype=BF16),
         EMU: lambda: mixprec.autocast("cpu", dtype=BF16, compute="emulated"),
+        "mixprec auto bf16": lambda: mixprec.autocast("cpu", dtype=BF16, compute="auto"),
     }
     if fp16:
         found["torch fp16"] = lambda: torch.autocast("cpu", dtype=FP16)
