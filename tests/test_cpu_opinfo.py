@@ -31,6 +31,9 @@ wrapper that mixprec does not expand), or ``CAST``, that of the call on inputs
 (and module parameters) cast to the autocast dtype with autocast off (the
 named exceptions of the ``COMPOSITE_*`` entries of ``mixprec.policies.cpu``).
 Any other divergence fails.
+
+mixprec runs with ``compute="native"`` here, so that the comparison with native
+autocast holds bit for bit on any machine, whatever ``compute="auto"`` picks on it.
 """
 
 from __future__ import annotations
@@ -291,7 +294,7 @@ def _check(key: str, cases: Iterator[Case], autocast_dtype: torch.dtype, values:
     unexplained, documented = [], []
     for label, call, cast_call in cases:
         native = _run(call, torch.autocast("cpu", dtype=autocast_dtype))
-        ours = _run(call, mixprec.autocast("cpu", dtype=autocast_dtype))
+        ours = _run(call, mixprec.autocast("cpu", dtype=autocast_dtype, compute="native"))
         found = _difference(native, ours, values)
         if found is None:
             continue

@@ -9,6 +9,7 @@ Example:
 
 from mixprec import cpu, cuda, policies, xpu
 from mixprec._autocast import autocast, get_autocast_dtype, get_policy, is_autocast_enabled
+from mixprec._compute import KernelSupport, kernel_support
 from mixprec._custom import custom_bwd, custom_fwd
 from mixprec._errors import AutocastDisabledWarning, MixprecWarning
 from mixprec._explain import Explanation, explain
@@ -22,6 +23,7 @@ __all__ = [
     "Category",
     "Explanation",
     "GradScaler",
+    "KernelSupport",
     "MixprecWarning",
     "ModulePolicyHandle",
     "Policy",
@@ -36,6 +38,7 @@ __all__ = [
     "get_autocast_dtype",
     "get_policy",
     "is_autocast_enabled",
+    "kernel_support",
     "policies",
     "set_module_policy",
     "xpu",

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from mixprec import _devices, _errors, _mode, _state
+from mixprec import _compute, _devices, _errors, _mode, _state
 from mixprec.policies import Policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,6 +42,12 @@ class autocast:  # noqa: N801 - torch's name
             outermost region (default True).
         policy: The op table to apply; defaults to the device's policy. Any
             policy works on any device, e.g. ``policies.CUDA`` on CPU tensors.
+        compute: How ``lower_precision_fp`` ops compute. ``"native"``: on the
+            device's low-precision kernels, as torch autocast. ``"emulated"``:
+            inputs rounded to ``dtype``, float32 kernels, outputs rounded to
+            ``dtype`` (same result dtypes; low-precision saved tensors).
+            ``"auto"`` (default): native where ``mixprec.kernel_support``
+            finds native kernels for ``dtype``, emulated elsewhere.
 
     Example:
         >>> model = torch.nn.Linear(4, 4)
@@ -59,6 +65,7 @@ class autocast:  # noqa: N801 - torch's name
         cache_enabled: bool | None = None,
         *,
         policy: Policy | None = None,
+        compute: str = "auto",
     ) -> None:
         spec = _devices.spec(device_type)
         _check_type("dtype", dtype, torch.dtype, optional=True)
@@ -70,6 +77,8 @@ class autocast:  # noqa: N801 - torch's name
         self._cache_enabled = True if cache_enabled is None else cache_enabled
         self._policy = policy
         self._enabled = enabled and _usable(spec, self.fast_dtype)
+        compute = _compute.check_compute(compute)
+        self._emulate = self._enabled and _compute.emulates(compute, device_type, self.fast_dtype)
         self._setting: _state.DeviceSetting | None = None  # made on first entry, then reused
 
     def __enter__(self) -> autocast:
@@ -77,12 +86,12 @@ class autocast:  # noqa: N801 - torch's name
         device = self.device
         if self._policy is None and state.module_policies:  # the innermost module policy (set_module_policy)
             inner = state.module_policies[-1]
-            setting = _state.DeviceSetting(self._enabled, self.fast_dtype, inner, self._cache_enabled)
+            setting = _state.DeviceSetting(self._enabled, self.fast_dtype, inner, self._cache_enabled, self._emulate)
         else:
             cached = self._setting
             if cached is None:  # made on first entry, then reused
                 policy = self._policy if self._policy is not None else _default_policy(device)
-                cached = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)
+                cached = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled, self._emulate)
                 self._setting = cached
             setting = cached
         enter(state, {device: setting})
@@ -176,16 +185,18 @@ def _refresh(state: _state.ThreadState) -> None:
     state.contexts = tuple(_context(device, s) for device, s in state.devices.items() if s.enabled)
 
 
-_contexts: dict[tuple[str, torch.dtype, int, bool], _state.Context] = {}
+_contexts: dict[tuple[str, torch.dtype, int, bool, bool], _state.Context] = {}
 
 
 def _context(device: str, setting: _state.DeviceSetting) -> _state.Context:
     """The mode's view of one enabled device (memoized: regions are entered once per step)."""
-    key = (device, setting.dtype, id(setting.policy), setting.cache_enabled)
+    key = (device, setting.dtype, id(setting.policy), setting.cache_enabled, setting.emulate)
     found = _contexts.get(key)
     if found is None or found.policy is not setting.policy:
         compiled = _mode.compile_policy(setting.policy)
-        found = _state.Context(device, setting.dtype, setting.policy, compiled.rules, setting.cache_enabled, compiled)
+        found = _state.Context(
+            device, setting.dtype, setting.policy, compiled.rules, setting.cache_enabled, compiled, setting.emulate
+        )
         if len(_contexts) > 256:
             _contexts.clear()
         _contexts[key] = found

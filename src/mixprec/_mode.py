@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixprec import _cast, _expand, _reach
+from mixprec import _cast, _emulate, _expand, _reach
 from mixprec._state import Context, ThreadState
 from mixprec.policies import Category, Policy
 
@@ -54,9 +54,10 @@ def _cast_to(to_lower: bool) -> Rule:
         cast = _cast.cast_args(args, dtype, device, cache)
         if cast is None:  # an explicit dtype among the positional arguments
             return func(*args, **kwargs)
-        if kwargs:
-            kwargs = {k: _cast.cast_value(v, dtype, device, cache) for k, v in kwargs.items()}
-        return func(*cast, **kwargs)
+        cast_kwargs = {k: _cast.cast_value(v, dtype, device, cache) for k, v in kwargs.items()} if kwargs else kwargs
+        if to_lower and ctx.emulate:
+            return _emulate.call(dtype, func, cast, cast_kwargs, original=(args, kwargs))
+        return func(*cast, **cast_kwargs)
 
     return rule
 

@@ -29,6 +29,7 @@ class Context:
     rules: dict[Callable[..., Any], Callable[..., Any]]
     cache_enabled: bool
     compiled: Any  # mixprec._mode.Compiled: the rules above, and which composites to expand
+    emulate: bool = False  # compute lower_precision_fp ops with float32 kernels (mixprec._emulate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,7 @@ class DeviceSetting:
     dtype: torch.dtype
     policy: Policy
     cache_enabled: bool
+    emulate: bool = False
 
 
 class ThreadState(threading.local):

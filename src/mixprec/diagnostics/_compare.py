@@ -155,4 +155,11 @@ def first_nonfinite(rows: list[OpReport]) -> OpReport | None:
 
 
 def autocast_region(device: str, dtype: torch.dtype, policy: mixprec.Policy | None) -> mixprec.autocast:
-    return mixprec.autocast(device, dtype=dtype, policy=policy)
+    """The doctor's region: ``compute="native"``, so each op is one call the recorder sees.
+
+    Emulated compute (``compute="emulated"``) runs a matmul as several float32 calls
+    with roundings between them; the recorder would see those pieces instead of the
+    op. The numerics are the same where it matters here: the output is rounded to
+    the low-precision dtype, so it overflows or flushes to zero as under emulation.
+    """
+    return mixprec.autocast(device, dtype=dtype, policy=policy, compute="native")
