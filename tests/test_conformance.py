@@ -18,6 +18,9 @@ so it casts those calls too.
 * Promote entries also check, in the dispatcher, that the kernel received its
   inputs already promoted: the output dtype alone cannot tell autocast's
   promotion from the kernel's own type promotion.
+
+mixprec runs with ``compute="native"`` here, so that the comparison with native
+autocast holds bit for bit on any machine, whatever ``compute="auto"`` picks on it.
 """
 
 from __future__ import annotations
@@ -234,7 +237,7 @@ def test_cpu_list_matches_native_autocast(case: CpuCase) -> None:
     assert _out_dtypes(native) == {case.expected}, "native autocast no longer gives what torch's list says"
     promotes = case.list_name == "torch_need_autocast_promote"
     log = _KernelLog()
-    with mixprec.autocast("cpu", dtype=case.dtype), log if promotes else contextlib.nullcontext():
+    with mixprec.autocast("cpu", dtype=case.dtype, compute="native"), log if promotes else contextlib.nullcontext():
         got = case.call()
     _assert_identical(got, native)
     if promotes:
@@ -298,7 +301,7 @@ CUDA_CASES = list(_cuda_cases())
 
 
 def _cuda_policy_region() -> mixprec.autocast:
-    return mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA)
+    return mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA, compute="native")
 
 
 @pytest.mark.parametrize("case", CUDA_CASES, ids=[c.id for c in CUDA_CASES])
@@ -360,7 +363,7 @@ def test_cpu_policy_runs_cuda_banned_op_in_fp32_like_native(
     lower_args = _cast(args, dtype)
     with torch.autocast("cpu", dtype=dtype):
         native = getattr(module, op)(*lower_args)
-    with mixprec.autocast("cpu", dtype=dtype):
+    with mixprec.autocast("cpu", dtype=dtype, compute="native"):
         got = getattr(module, op)(*lower_args)
     assert native.dtype == torch.float32
     _assert_identical(got, native)

@@ -22,15 +22,18 @@ for cat of float16 inputs under bfloat16). Two kinds of op are compared less:
 * ``linalg.lstsq`` (LAPACK gelsy) differs run to run in the last bits even
   with autocast off: values within float32 tolerance.
 
-Known divergences (``KNOWN``): where mixprec differs from native on some sample,
-the test checks that mixprec gave the documented output, then xfails with the
-reason (and a KNOWN op that matches native everywhere fails, as a stale entry).
-The documented output is either ``UNCAST``, that of the same call with
-autocast off (a C++ composite that mixprec cannot look inside, or a Python
+Known divergences (``KNOWN``, each with its reason; listed in docs/policies.md)
+have their own tests, ``test_*_divergence_is_documented``: where mixprec differs
+from native on a sample, it must give the documented output; a KNOWN op that
+matches native everywhere fails, as a stale entry. The documented output is
+either ``UNCAST``, that of the same call with autocast off (a C++ composite that mixprec cannot look inside, or a Python
 wrapper that mixprec does not expand), or ``CAST``, that of the call on inputs
 (and module parameters) cast to the autocast dtype with autocast off (the
 named exceptions of the ``COMPOSITE_*`` entries of ``mixprec.policies.cpu``).
 Any other divergence fails.
+
+mixprec runs with ``compute="native"`` here, so that the comparison with native
+autocast holds bit for bit on any machine, whatever ``compute="auto"`` picks on it.
 """
 
 from __future__ import annotations
@@ -75,48 +78,15 @@ _OTHER_LOW = (
     "native autocast raises ('Unexpected floating ScalarType in at::autocast::prioritize') for "
     "an input in the other lower-precision dtype, where the composite reaches cat: "
 )
-_BOOLEAN_DISPATCH = (
-    "{0} is torch's boolean_dispatch wrapper, which has no torch-function gate: the mode "
-    "receives it as a whole and cannot expand it, so the listed {1} inside runs uncast "
-    "(proposed fix in mixprec._expand)."
-)
-_PAD = (
-    "F.pad calls aten::pad, a C++ composite that reaches the fp32 reflection/replication pads "
-    "for these modes only: " + cpu.UNLISTED_COMPOSITES["pad"]
-)
-
 #: OpInfo name (with its variant) or ModuleInfo name -> (documented mixprec output, reason).
 KNOWN: dict[str, tuple[str, str]] = {
     "einsum": (UNCAST, cpu.UNLISTED_COMPOSITES["einsum"]),
-    "linalg.matrix_power": (UNCAST, cpu.UNLISTED_COMPOSITES["linalg_matrix_power"]),
     "cov": (UNCAST, cpu.UNLISTED_COMPOSITES["cov"]),
     "corrcoef": (UNCAST, cpu.UNLISTED_COMPOSITES["corrcoef"]),
     "linalg.pinv": (UNCAST, cpu.UNLISTED_COMPOSITES["linalg_pinv"]),
     "linalg.pinv.hermitian": (UNCAST, cpu.UNLISTED_COMPOSITES["linalg_pinv"]),
     "nn.functional.bilinear": (UNCAST, cpu.UNLISTED_COMPOSITES["bilinear"]),
     "nn_Bilinear": (UNCAST, cpu.UNLISTED_COMPOSITES["bilinear"]),
-    "nn_GRU": (UNCAST, cpu.UNLISTED_COMPOSITES["gru"]),
-    "nn_GRUCell": (UNCAST, cpu.UNLISTED_COMPOSITES["gru_cell"]),
-    "nn_LSTMCell": (UNCAST, cpu.UNLISTED_COMPOSITES["lstm_cell"]),
-    "nn.functional.pad.reflect": (UNCAST, _PAD),
-    "nn.functional.pad.replicate": (UNCAST, _PAD),
-    "nn.functional.pad.replicate_negative": (UNCAST, _PAD),
-    "nn_ReflectionPad1d": (UNCAST, _PAD),
-    "nn_ReflectionPad2d": (UNCAST, _PAD),
-    "nn_ReplicationPad1d": (UNCAST, _PAD),
-    "nn_ReplicationPad2d": (UNCAST, _PAD),
-    "nn_ReplicationPad3d": (UNCAST, _PAD),
-    **{
-        key: (UNCAST, _BOOLEAN_DISPATCH.format(f"F.{op}", op))
-        for op, module in (
-            ("max_pool3d", "MaxPool3d"),
-            ("adaptive_max_pool3d", "AdaptiveMaxPool3d"),
-            ("fractional_max_pool2d", "FractionalMaxPool2d"),
-            ("fractional_max_pool3d", "FractionalMaxPool3d"),
-        )
-        for key in (f"nn.functional.{op}", f"nn_{module}")
-    },
-    "lu": (UNCAST, _BOOLEAN_DISPATCH.format("torch.lu", "_lu_with_info")),
     **{
         name: (UNCAST, _OTHER_LOW + cpu.UNLISTED_COMPOSITES["roll"])
         for name in (
@@ -124,9 +94,8 @@ KNOWN: dict[str, tuple[str, str]] = {
             "matrix_exp", "isin",
         )
     },
-    "tensordot": (CAST, "listed lower_precision_fp; natively a full contraction to one element is dot, uncast."),
-    "nn_LSTM": (CAST, "lstm is listed lower_precision_fp; native leaves mkldnn_rnn_layer for proj_size, "
-                "float16 inputs or float16 autocast (where oneDNN raises)."),
+    "tensordot": (CAST, cpu.COMPOSITE_EXCEPTIONS["tensordot"]),
+    "nn_LSTM": (CAST, cpu.COMPOSITE_EXCEPTIONS["lstm"]),
 }
 
 #: Compared with a tolerance: nondeterministic in the last bits without autocast too.
@@ -320,12 +289,12 @@ def _module_cases(info: Any, autocast_dtype: torch.dtype) -> Iterator[Case]:
 
 
 def _check(key: str, cases: Iterator[Case], autocast_dtype: torch.dtype, values: str) -> None:
-    """Every case as native; or, for a KNOWN op, native or the documented output (then xfail)."""
-    model, reason = KNOWN.get(key, (None, ""))
+    """Every case as native; or, for a KNOWN op, native or the documented output, with at least one divergence."""
+    model = KNOWN[key][0] if key in KNOWN else None
     unexplained, documented = [], []
     for label, call, cast_call in cases:
         native = _run(call, torch.autocast("cpu", dtype=autocast_dtype))
-        ours = _run(call, mixprec.autocast("cpu", dtype=autocast_dtype))
+        ours = _run(call, mixprec.autocast("cpu", dtype=autocast_dtype, compute="native"))
         found = _difference(native, ours, values)
         if found is None:
             continue
@@ -340,9 +309,7 @@ def _check(key: str, cases: Iterator[Case], autocast_dtype: torch.dtype, values:
             unexplained.append(f"{label}: {found}; not the documented {model} output either: {off_model}")
     if unexplained:
         pytest.fail(f"mixprec differs from native autocast on {key}:\n  " + "\n  ".join(unexplained))
-    if documented:
-        pytest.xfail(f"{reason} [{len(documented)} cases, e.g. {documented[0]}]")
-    if model is not None:
+    if model is not None and not documented:
         pytest.fail(f"{key} now matches native autocast on every case: remove it from KNOWN.")
 
 
@@ -354,22 +321,35 @@ OPS = {_key(o): o for o in OP_DB if torch.float32 in o.supported_dtypes("cpu")}
 MODULES = {m.formatted_name: m for m in MODULE_DB}
 
 
+def _op_values(key: str) -> str:
+    if OPS[key].has_nondeterministic_output:
+        return "none"
+    return "close" if key in LAST_BITS_NONDETERMINISTIC else "bits"
+
+
 @pytest.mark.parametrize("autocast_dtype", LOW.values(), ids=LOW.keys())
-@pytest.mark.parametrize("key", sorted(OPS))
+@pytest.mark.parametrize("key", sorted(set(OPS) - set(KNOWN)))
 def test_op_matches_native(key: str, autocast_dtype: torch.dtype) -> None:
-    opinfo = OPS[key]
-    if opinfo.has_nondeterministic_output:
-        values = "none"
-    elif key in LAST_BITS_NONDETERMINISTIC:
-        values = "close"
-    else:
-        values = "bits"
-    _check(key, _op_cases(opinfo, autocast_dtype), autocast_dtype, values)
+    _check(key, _op_cases(OPS[key], autocast_dtype), autocast_dtype, _op_values(key))
 
 
 @pytest.mark.parametrize("autocast_dtype", LOW.values(), ids=LOW.keys())
-@pytest.mark.parametrize("key", sorted(MODULES))
+@pytest.mark.parametrize("key", sorted(set(OPS) & set(KNOWN)))
+def test_op_divergence_is_documented(key: str, autocast_dtype: torch.dtype) -> None:
+    """A KNOWN op: native on some samples, the documented output (and not native's) on the others."""
+    _check(key, _op_cases(OPS[key], autocast_dtype), autocast_dtype, _op_values(key))
+
+
+@pytest.mark.parametrize("autocast_dtype", LOW.values(), ids=LOW.keys())
+@pytest.mark.parametrize("key", sorted(set(MODULES) - set(KNOWN)))
 def test_module_matches_native(key: str, autocast_dtype: torch.dtype) -> None:
+    _check(key, _module_cases(MODULES[key], autocast_dtype), autocast_dtype, "bits")
+
+
+@pytest.mark.parametrize("autocast_dtype", LOW.values(), ids=LOW.keys())
+@pytest.mark.parametrize("key", sorted(set(MODULES) & set(KNOWN)))
+def test_module_divergence_is_documented(key: str, autocast_dtype: torch.dtype) -> None:
+    """A KNOWN module: native on some inputs, the documented output (and not native's) on the others."""
     _check(key, _module_cases(MODULES[key], autocast_dtype), autocast_dtype, "bits")
 
 

@@ -16,7 +16,8 @@ import torch
 import mixprec
 from mixprec.policies import _resolve
 
-SEEDS = pathlib.Path("/work/shared/seeds")
+#: The reference documents: ``../shared/seeds`` beside the checkout (where CI puts them).
+SEEDS = pathlib.Path(__file__).resolve().parents[2] / "shared" / "seeds"
 DOCUMENTS = {"CPU_DOCUMENTED": "000_*.txt", "CUDA_DOCUMENTED": "001_*.txt", "XPU": "002_*.txt"}
 
 _HEADING = re.compile(r"Ops that (?:can autocast to `+(\w+)`+|promote to the widest input type)")
@@ -29,7 +30,10 @@ REMOVED = ("eig", "lstsq", "matrix_rank", "solve", "symeig")
 
 
 def _document(policy: str) -> str:
-    (path,) = SEEDS.glob(DOCUMENTS[policy])
+    found = sorted(SEEDS.glob(DOCUMENTS[policy]))
+    if len(found) != 1:
+        pytest.fail(f"the seed document {DOCUMENTS[policy]} for {policy}: expected one file in {SEEDS}, found {found}")
+    (path,) = found
     return path.read_text()
 
 

@@ -12,6 +12,9 @@ scaler is saved with ``state_dict`` and loaded into a fresh one.
 
 After every iteration the two runs must agree exactly: the scale, which
 optimizer skipped its step, and every parameter bit for bit.
+
+mixprec runs with ``compute="native"`` here, so that the comparison with native
+autocast holds bit for bit on any machine, whatever ``compute="auto"`` picks on it.
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ def _plant(params: list[nn.Parameter], value: float) -> None:
 
 
 def _mixprec_side(run: Run) -> _Side:
-    return _Side(run, mixprec.GradScaler, lambda: mixprec.autocast("cpu", dtype=torch.float16))
+    return _Side(run, mixprec.GradScaler, lambda: mixprec.autocast("cpu", dtype=torch.float16, compute="native"))
 
 
 def _torch_side(run: Run) -> _Side:

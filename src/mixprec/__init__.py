@@ -9,16 +9,23 @@ Example:
 
 from mixprec import cpu, cuda, policies, xpu
 from mixprec._autocast import autocast, get_autocast_dtype, get_policy, is_autocast_enabled
+from mixprec._compute import KernelSupport, kernel_support
 from mixprec._custom import custom_bwd, custom_fwd
 from mixprec._errors import AutocastDisabledWarning, MixprecWarning
+from mixprec._explain import Explanation, explain
+from mixprec._module import AutocastModule, ModulePolicyHandle, set_module_policy
 from mixprec.policies import Category, Policy
 from mixprec.scaler import GradScaler, ScaleRecord, ScalerStateError
 
 __all__ = [
     "AutocastDisabledWarning",
+    "AutocastModule",
     "Category",
+    "Explanation",
     "GradScaler",
+    "KernelSupport",
     "MixprecWarning",
+    "ModulePolicyHandle",
     "Policy",
     "ScaleRecord",
     "ScalerStateError",
@@ -27,10 +34,13 @@ __all__ = [
     "cuda",
     "custom_bwd",
     "custom_fwd",
+    "explain",
     "get_autocast_dtype",
     "get_policy",
     "is_autocast_enabled",
+    "kernel_support",
     "policies",
+    "set_module_policy",
     "xpu",
 ]
 

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from mixprec import _devices, _errors, _mode, _state
+from mixprec import _compute, _devices, _errors, _mode, _state
 from mixprec.policies import Policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -42,6 +42,12 @@ class autocast:  # noqa: N801 - torch's name
             outermost region (default True).
         policy: The op table to apply; defaults to the device's policy. Any
             policy works on any device, e.g. ``policies.CUDA`` on CPU tensors.
+        compute: How ``lower_precision_fp`` ops compute. ``"native"``: on the
+            device's low-precision kernels, as torch autocast. ``"emulated"``:
+            inputs rounded to ``dtype``, float32 kernels, outputs rounded to
+            ``dtype`` (same result dtypes; low-precision saved tensors).
+            ``"auto"`` (default): native where ``mixprec.kernel_support``
+            finds native kernels for ``dtype``, emulated elsewhere.
 
     Example:
         >>> model = torch.nn.Linear(4, 4)
@@ -59,6 +65,7 @@ class autocast:  # noqa: N801 - torch's name
         cache_enabled: bool | None = None,
         *,
         policy: Policy | None = None,
+        compute: str = "auto",
     ) -> None:
         spec = _devices.spec(device_type)
         _check_type("dtype", dtype, torch.dtype, optional=True)
@@ -70,31 +77,28 @@ class autocast:  # noqa: N801 - torch's name
         self._cache_enabled = True if cache_enabled is None else cache_enabled
         self._policy = policy
         self._enabled = enabled and _usable(spec, self.fast_dtype)
+        compute = _compute.check_compute(compute)
+        self._emulate = self._enabled and _compute.emulates(compute, device_type, self.fast_dtype)
+        self._setting: _state.DeviceSetting | None = None  # made on first entry, then reused
 
     def __enter__(self) -> autocast:
         state = _state.get()
         device = self.device
-        state.saved.append((device, state.devices.get(device)))
-        policy = self._policy if self._policy is not None else _default_policy(device)
-        state.devices[device] = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled)
-        _refresh(state)
-        if len(state.saved) == 1:
-            if state.mode is None:
-                state.mode = _mode.AutocastMode(state)
-            _mode.push(state.mode)
+        if self._policy is None and state.module_policies:  # the innermost module policy (set_module_policy)
+            inner = state.module_policies[-1]
+            setting = _state.DeviceSetting(self._enabled, self.fast_dtype, inner, self._cache_enabled, self._emulate)
+        else:
+            cached = self._setting
+            if cached is None:  # made on first entry, then reused
+                policy = self._policy if self._policy is not None else _default_policy(device)
+                cached = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled, self._emulate)
+                self._setting = cached
+            setting = cached
+        enter(state, {device: setting})
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        state = _state.get()
-        device, previous = state.saved.pop()
-        if previous is None:
-            del state.devices[device]
-        else:
-            state.devices[device] = previous
-        _refresh(state)
-        if not state.saved:
-            state.cache.clear()
-            _mode.remove(state.mode)
+        leave(_state.get(), 1)
 
     def __call__(self, func: F) -> F:
         @functools.wraps(func)
@@ -109,7 +113,8 @@ class autocast:  # noqa: N801 - torch's name
         context managers made inside the compiled code, and a decorator's instance is not."""
         region = autocast.__new__(autocast)
         region.device, region.fast_dtype, region._cache_enabled = self.device, self.fast_dtype, self._cache_enabled
-        region._policy, region._enabled = self._policy, self._enabled
+        region._policy, region._enabled, region._emulate = self._policy, self._enabled, self._emulate
+        region._setting = self._setting
         return region
 
     def __repr__(self) -> str:
@@ -117,6 +122,32 @@ class autocast:  # noqa: N801 - torch's name
             f"autocast(device_type={self.device!r}, dtype={self.fast_dtype}, "
             f"enabled={self._enabled}, cache_enabled={self._cache_enabled})"
         )
+
+
+def enter(state: _state.ThreadState, settings: dict[str, _state.DeviceSetting]) -> None:
+    """Open one nesting level per device in ``settings``; the mode goes on the stack with the first."""
+    for device, setting in settings.items():
+        state.saved.append((device, state.devices.get(device)))
+        state.devices[device] = setting
+    _refresh(state)
+    if settings and len(state.saved) == len(settings):
+        if state.mode is None:
+            state.mode = _mode.AutocastMode(state)
+        _mode.push(state.mode)
+
+
+def leave(state: _state.ThreadState, levels: int) -> None:
+    """Close ``levels`` nesting levels; the cache and the mode go when the last one closes."""
+    for _ in range(levels):
+        device, previous = state.saved.pop()
+        if previous is None:
+            del state.devices[device]
+        else:
+            state.devices[device] = previous
+    _refresh(state)
+    if levels and not state.saved:
+        state.cache.clear()
+        _mode.remove(state.mode)
 
 
 def _check_type(name: str, value: object, expected: type, *, optional: bool = False) -> None:
@@ -160,11 +191,36 @@ def _usable(spec: _devices.DeviceSpec, dtype: torch.dtype) -> bool:
 
 
 def _refresh(state: _state.ThreadState) -> None:
-    state.contexts = tuple(
-        _state.Context(device, s.dtype, s.policy, _mode.rules_for(s.policy), s.cache_enabled)
-        for device, s in state.devices.items()
-        if s.enabled
+    if torch.compiler.is_compiling():
+        state.contexts = tuple(_traced_context(device, s) for device, s in state.devices.items() if s.enabled)
+    else:
+        state.contexts = tuple(_context(device, s) for device, s in state.devices.items() if s.enabled)
+
+
+def _traced_context(device: str, setting: _state.DeviceSetting) -> _state.Context:
+    """``_context`` inside a torch.compile trace: the compiled policy comes from a shelf."""
+    compiled = _mode.traced_policy(setting.policy)
+    return _state.Context(
+        device, setting.dtype, setting.policy, compiled.rules, setting.cache_enabled, compiled, setting.emulate
     )
+
+
+_contexts: dict[tuple[str, torch.dtype, int, bool, bool], _state.Context] = {}
+
+
+def _context(device: str, setting: _state.DeviceSetting) -> _state.Context:
+    """The mode's view of one enabled device (memoized: regions are entered once per step)."""
+    key = (device, setting.dtype, id(setting.policy), setting.cache_enabled, setting.emulate)
+    found = _contexts.get(key)
+    if found is None or found.policy is not setting.policy:
+        compiled = _mode.compile_policy(setting.policy)
+        found = _state.Context(
+            device, setting.dtype, setting.policy, compiled.rules, setting.cache_enabled, compiled, setting.emulate
+        )
+        if len(_contexts) > 256:
+            _contexts.clear()
+        _contexts[key] = found
+    return found
 
 
 def is_autocast_enabled(device_type: str) -> bool:

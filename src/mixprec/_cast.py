@@ -24,6 +24,7 @@ import torch
 _Tensor = torch.Tensor
 _float32 = torch.float32
 _float64 = torch.float64
+_dtype = torch.dtype
 
 CacheEntry = tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]
 Cache = dict[tuple[int, torch.dtype], CacheEntry]
@@ -31,14 +32,19 @@ Cache = dict[tuple[int, torch.dtype], CacheEntry]
 
 def is_eligible(t: torch.Tensor, device_type: str) -> bool:
     """Whether autocast may cast ``t`` on ``device_type``."""
-    return t.is_floating_point() and t.dtype is not _float64 and t.device.type == device_type
+    if not t.is_floating_point() or t.dtype is _float64:
+        return False
+    return t.is_cpu if device_type == "cpu" else t.device.type == device_type
 
 
 def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device_type: str, cache: Cache | None) -> torch.Tensor:
     """Cast one tensor if eligible; weights (fp32 leaves requiring grad) go through the cache."""
-    if t.dtype is dtype or not is_eligible(t, device_type):
+    source = t.dtype
+    if source is dtype or source is _float64 or not t.is_floating_point():
         return t
-    if cache is not None and t.dtype is _float32 and t.requires_grad and t.is_leaf and not t._is_view():
+    if not (t.is_cpu if device_type == "cpu" else t.device.type == device_type):
+        return t
+    if cache is not None and source is _float32 and t.requires_grad and t.is_leaf and not t._is_view():
         key = (id(t), dtype)
         hit = cache.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version:
@@ -54,17 +60,30 @@ def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | 
     if isinstance(value, _Tensor):
         return cast_tensor(value, dtype, device_type, cache)
     if type(value) in (list, tuple) and any(isinstance(v, _Tensor) for v in value):
-        return type(value)(
-            cast_tensor(v, dtype, device_type, cache) if isinstance(v, _Tensor) else v for v in value
-        )
+        return type(value)([cast_tensor(v, dtype, device_type, cache) if isinstance(v, _Tensor) else v for v in value])
     return value
+
+
+def cast_args(
+    args: tuple[Any, ...], dtype: torch.dtype, device_type: str, cache: Cache | None
+) -> tuple[Any, ...] | None:
+    """Cast the positional arguments in one pass; None if one of them is a dtype (the call is not autocast)."""
+    out = []
+    for a in args:
+        if isinstance(a, _Tensor):
+            out.append(cast_tensor(a, dtype, device_type, cache))
+        elif type(a) is _dtype:
+            return None
+        else:
+            out.append(cast_value(a, dtype, device_type, cache))
+    return tuple(out)
 
 
 def cast_call(
     args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, device_type: str, cache: Cache | None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Cast every eligible tensor among a call's arguments."""
-    new_args = tuple(cast_value(a, dtype, device_type, cache) for a in args)
+    new_args = tuple([cast_value(a, dtype, device_type, cache) for a in args])
     if kwargs:
         kwargs = {k: cast_value(v, dtype, device_type, cache) for k, v in kwargs.items()}
     return new_args, kwargs

@@ -61,3 +61,11 @@ def category(policy: Any, func: Callable[..., Any]) -> str | None:
 def advice(policy: Any, func: Callable[..., Any]) -> str:
     """The text a banned ``func`` raises under ``policy`` (a constant in the trace)."""
     return str(policy.advice(policy._banned_names[func]))
+
+
+@torch._dynamo.assume_constant_result
+def expands(policy: Any, func: Callable[..., Any]) -> bool:
+    """Whether ``func`` is a composite to run as its twin under ``policy`` (a constant in the trace)."""
+    from mixprec import _mode
+
+    return _mode.compile_policy(policy).twin(func) is not None

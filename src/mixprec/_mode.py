@@ -5,7 +5,7 @@ Algorithm for each intercepted call ``func(*args, **kwargs)``::
     for each enabled device context:
         rule = context.rules.get(func)          # compiled from the policy table
         if rule and the call touches that device: return rule(...)
-    if func is a Python composite with a torch-function gate:
+    if func is a Python composite that can reach a listed op (mixprec._reach):
         run its twin with the mode pushed       # inner ops are intercepted
     else:
         return func(*args, **kwargs)            # mode is off here: runs natively
@@ -16,6 +16,7 @@ runs each op in the dtype its forward used.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -23,38 +24,43 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixprec import _cast, _compile, _expand, _shelf, _state
+from mixprec import _cast, _compile, _emulate, _expand, _reach, _shelf, _state
 from mixprec._state import Context, ThreadState
 from mixprec.policies import Category, Policy
 
 _float32 = torch.float32
+_is_compiling = torch.compiler.is_compiling
 _Tensor = torch.Tensor
 
-Rule = Callable[[Context, ThreadState, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
+_dtype = torch.dtype
+Func = Callable[..., Any]
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+Rule = Callable[[Context, ThreadState, Func, Args, Kwargs], Any]
 
 
-def _explicit_dtype_or_out(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _explicit_dtype_or_out(args: Args, kwargs: Kwargs) -> bool:
     """In-place ``out=`` calls and calls given an explicit dtype are not autocast."""
     if kwargs and (kwargs.get("out") is not None or kwargs.get("dtype") is not None):
         return True
-    return any(isinstance(a, torch.dtype) for a in args)
-
-
-def _cache(ctx: Context, state: ThreadState) -> _cast.Cache | None:
-    if torch.compiler.is_compiling():
-        return None  # a graph computes each cast once anyway; the cache's weakrefs cannot be traced
-    return state.cache if ctx.cache_enabled and torch.is_grad_enabled() else None
+    return _dtype in map(type, args)
 
 
 def _cast_to(to_lower: bool) -> Rule:
-    def rule(ctx: Context, state: ThreadState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _explicit_dtype_or_out(args, kwargs):
+    def rule(ctx: Context, state: ThreadState, func: Func, args: Args, kwargs: Kwargs) -> Any:
+        if kwargs and (kwargs.get("out") is not None or kwargs.get("dtype") is not None):
             return func(*args, **kwargs)
-        if to_lower:
-            args, kwargs = _cast.cast_call(args, kwargs, ctx.dtype, ctx.device_type, _cache(ctx, state))
-        else:
-            args, kwargs = _cast.cast_call(args, kwargs, _float32, ctx.device_type, None)
-        return func(*args, **kwargs)
+        dtype, device = (ctx.dtype, ctx.device_type) if to_lower else (_float32, ctx.device_type)
+        # No cache under torch.compile: a graph computes each cast once anyway, and weakrefs cannot be traced.
+        use_cache = to_lower and ctx.cache_enabled and torch.is_grad_enabled() and not _is_compiling()
+        cache = state.cache if use_cache else None
+        cast = _cast.cast_args(args, dtype, device, cache)
+        if cast is None:  # an explicit dtype among the positional arguments
+            return func(*args, **kwargs)
+        cast_kwargs = {k: _cast.cast_value(v, dtype, device, cache) for k, v in kwargs.items()} if kwargs else kwargs
+        if to_lower and ctx.emulate:
+            return _emulate.call(dtype, func, cast, cast_kwargs, original=(args, kwargs))
+        return func(*cast, **cast_kwargs)
 
     return rule
 
@@ -109,7 +115,7 @@ def _aten_with_fp32_dtype(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
     return func(*positional, **values)
 
 
-def _with_fp32_dtype(ctx: Context, state: ThreadState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _with_fp32_dtype(ctx: Context, state: ThreadState, func: Func, args: Args, kwargs: Kwargs) -> Any:
     """fp32_set_opt_dtype and fp32_append_dtype: run with dtype=float32 if the first input is eligible.
 
     As ATen's ``set_opt_dtype``, a ``dtype`` passed as None, also positionally, is replaced.
@@ -144,7 +150,7 @@ def promote_dtype(ctx: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return to
 
 
-def _promote(ctx: Context, state: ThreadState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _promote(ctx: Context, state: ThreadState, func: Func, args: Args, kwargs: Kwargs) -> Any:
     if _explicit_dtype_or_out(args, kwargs):
         return func(*args, **kwargs)
     to = promote_dtype(ctx, args, kwargs)
@@ -153,7 +159,7 @@ def _promote(ctx: Context, state: ThreadState, func: Callable[..., Any], args: t
 
 
 def _banned(advice: str) -> Rule:
-    def rule(ctx: Context, state: ThreadState, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def rule(ctx: Context, state: ThreadState, func: Func, args: Args, kwargs: Kwargs) -> Any:
         if any(_cast.is_eligible(t, ctx.device_type) for t in _cast.iter_tensors(args, kwargs)):
             raise RuntimeError(advice)
         return func(*args, **kwargs)
@@ -169,24 +175,55 @@ _RULES: dict[Category, Rule] = {
     Category.PROMOTE: _promote,
 }
 
-_RULES_BY_NAME = {category.value: rule for category, rule in _RULES.items()}
-_tables = _shelf.Shelf(limit=256)
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """A policy compiled for the mode: ``{callable: rule}``, and which composites to expand."""
+
+    rules: dict[Func, Rule]
+    names: frozenset[str]
+    twins: dict[Func, Func | None]
+
+    def twin(self, func: Func) -> Func | None:
+        """The twin to run ``func`` as, or None to run it natively (memoized per policy)."""
+        try:
+            return self.twins[func]
+        except TypeError:  # an unhashable callable
+            return None
+        except KeyError:
+            made = _expand.twin(func)
+            custom_op = isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+            if made is not None and not custom_op and not _reach.reaches(func, self.names):  # custom ops: always
+                made = None
+            self.twins[func] = made
+            return made
 
 
-def rules_for(policy: Policy) -> dict[Callable[..., Any], Rule]:
-    """The policy's table compiled to ``{callable: rule}`` (cached per policy object)."""
-    return _shelf.fetch(_tables, policy, _build)  # type: ignore[no-any-return]
+_compiled: dict[int, tuple[Policy, Compiled]] = {}
+_shelved = _shelf.Shelf(limit=256)
 
 
-def _build(policy: Policy) -> dict[Callable[..., Any], Rule]:
-    _compile.register(policy._by_callable)
-    rules: dict[Callable[..., Any], Rule] = {}
+def compile_policy(policy: Policy) -> Compiled:
+    """The policy's table compiled for the mode (cached per policy object)."""
+    hit = _compiled.get(id(policy))
+    if hit is not None and hit[0] is policy:
+        return hit[1]
+    rules: dict[Func, Rule] = {}
     for func, category in policy._by_callable.items():
         if category is Category.BANNED:
             rules[func] = _banned(policy.advice(policy._banned_names[func]))
         else:
             rules[func] = _RULES[category]
-    return rules
+    _compile.register(policy._by_callable)
+    compiled = Compiled(rules, _reach.policy_names(dict(policy.table), rules), {})
+    if len(_compiled) > 256:
+        _compiled.clear()
+    _compiled[id(policy)] = (policy, compiled)
+    return compiled
+
+
+def traced_policy(policy: Policy) -> Compiled:
+    """``compile_policy(policy)`` as torch.compile can trace it: built eagerly, read as a guarded attribute."""
+    return _shelf.fetch(_shelved, policy, compile_policy)  # type: ignore[no-any-return]
 
 
 def _touches(ctx: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -201,28 +238,33 @@ class AutocastMode(TorchFunctionMode):
         self._state = state
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        compiling = torch.compiler.is_compiling()
-        # Under torch.compile, read the state through its global: dynamo tracks a region
-        # entered inside the trace on that object, not on this mode's reference to it.
-        state = _state.get() if compiling else self._state
+        if _is_compiling():
+            return _traced(self, func, types, args, kwargs or {})
+        state = self._state
         contexts = state.contexts
         if kwargs is None:
             kwargs = {}
-        if not contexts:
+        if len(contexts) == 1:
+            ctx = contexts[0]
+            try:
+                rule = ctx.rules.get(func)
+            except TypeError:  # an unhashable callable: not in any table
+                return func(*args, **kwargs)
+            if rule is not None:
+                return rule(ctx, state, func, args, kwargs)
+            twin = ctx.compiled.twin(func)
+        elif contexts:
+            rule, ctx = self._route(contexts, func, args, kwargs)
+            if rule is not None:
+                return rule(ctx, state, func, args, kwargs)
+            twin = next((t for c in contexts if (t := c.compiled.twin(func)) is not None), None)
+        else:
             return func(*args, **kwargs)
-        try:
-            for ctx in contexts:
-                rule = _traced_rule(ctx.policy, func) if compiling else ctx.rules.get(func)
-                if rule is not None and (len(contexts) == 1 or _touches(ctx, args, kwargs)):
-                    return rule(ctx, state, func, args, kwargs)
-        except TypeError:
-            if not _is_unhashable(func):
-                raise
-        twin = _expand.twin(func)
         if twin is None or (state.expanding and state.expanding[-1] is func):
-            return _compile.call(func, args, kwargs) if compiling else func(*args, **kwargs)
-        if any(t is not _Tensor for t in types):
-            return func(*args, **kwargs)  # a tensor subclass handles this composite itself
+            return func(*args, **kwargs)
+        for t in types:
+            if t is not _Tensor:
+                return func(*args, **kwargs)  # a tensor subclass handles this composite itself
         state.expanding.append(func)
         torch._C._push_on_torch_function_stack(self)
         try:
@@ -231,24 +273,62 @@ class AutocastMode(TorchFunctionMode):
             torch._C._pop_torch_function_stack()
             state.expanding.pop()
 
+    @staticmethod
+    def _route(contexts: tuple[Context, ...], func: Func, args: Args, kwargs: Kwargs) -> tuple[Rule | None, Any]:
+        """With several devices enabled: the rule of the first device whose tensors the call touches."""
+        for ctx in contexts:
+            try:
+                rule = ctx.rules.get(func)
+            except TypeError:
+                return None, None
+            if rule is not None and _touches(ctx, args, kwargs):
+                return rule, ctx
+        return None, None
 
-def _traced_rule(policy: Policy, func: Callable[..., Any]) -> Rule | None:
-    """The rule for ``func`` under torch.compile, from a constant category: the trace then
-    guards on the policy object only, not on every key of the policy's rule table."""
+
+def _traced(mode: AutocastMode, func: Func, types: Any, args: Args, kwargs: Kwargs) -> Any:
+    """The mode under torch.compile and torch.export: what the trace sees is constant.
+
+    The state is read through its global (dynamo tracks a region entered inside the
+    trace on that object, not on the mode's reference to it); the category of ``func``
+    and whether to expand it are computed eagerly (``assume_constant_result``), so the
+    graph guards on the policy object, not on every key of its rule table. Custom ops
+    that no policy lists run as one op, as under native autocast in a compiled graph.
+    """
+    state = _state.get()
+    contexts = state.contexts
+    if not contexts:
+        return func(*args, **kwargs)
+    for ctx in contexts:
+        rule = _traced_rule(ctx.policy, func)
+        if rule is not None and (len(contexts) == 1 or _touches(ctx, args, kwargs)):
+            return rule(ctx, state, func, args, kwargs)
+    expands = any(_compile.expands(ctx.policy, func) for ctx in contexts)
+    twin = _expand.traced_twin(func) if expands else None
+    if twin is None or (state.expanding and state.expanding[-1] is func):
+        return _compile.call(func, args, kwargs)
+    if any(t is not _Tensor for t in types):
+        return func(*args, **kwargs)  # a tensor subclass handles this composite itself
+    state.expanding.append(func)
+    torch._C._push_on_torch_function_stack(mode)
+    try:
+        return twin(*args, **kwargs)
+    finally:
+        torch._C._pop_torch_function_stack()
+        state.expanding.pop()
+
+
+_RULES_BY_NAME = {category.value: rule for category, rule in _RULES.items()}
+
+
+def _traced_rule(policy: Policy, func: Func) -> Rule | None:
+    """The rule for ``func`` under torch.compile, from a constant category."""
     category = _compile.category(policy, func)
     if category is None:
         return None
     if category == "banned":
         return _banned(_compile.advice(policy, func))
     return _RULES_BY_NAME[category]
-
-
-def _is_unhashable(func: object) -> bool:
-    try:
-        hash(func)
-    except TypeError:
-        return True
-    return False
 
 
 def push(mode: AutocastMode) -> None:

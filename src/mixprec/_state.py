@@ -28,6 +28,8 @@ class Context:
     policy: Policy
     rules: dict[Callable[..., Any], Callable[..., Any]]
     cache_enabled: bool
+    compiled: Any  # mixprec._mode.Compiled: the rules above, and which composites to expand
+    emulate: bool = False  # compute lower_precision_fp ops with float32 kernels (mixprec._emulate)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,7 @@ class DeviceSetting:
     dtype: torch.dtype
     policy: Policy
     cache_enabled: bool
+    emulate: bool = False
 
 
 class ThreadState(threading.local):
@@ -46,6 +49,7 @@ class ThreadState(threading.local):
         self.cache: _cast.Cache = {}
         self.mode: Any = None
         self.expanding: list[Callable[..., Any]] = []
+        self.module_policies: list[Policy] = []  # set_module_policy: innermost last
 
     @property
     def nesting(self) -> int:

@@ -30,13 +30,16 @@ BUILTIN = {
     "CUDA_DOCUMENTED": "cuda_documented",
 }
 
-__all__ = ["BUILTIN", "CATEGORIES", "Category", "Policy", *BUILTIN]
+#: Built-in policies that hold a document's lists; the others reproduce torch's native tables.
+DOCUMENTED = ("XPU", "CPU_DOCUMENTED", "CUDA_DOCUMENTED")
+
+__all__ = ["BUILTIN", "CATEGORIES", "DOCUMENTED", "Category", "Policy", *BUILTIN]
 
 
 @functools.cache
 def _build(attr: str) -> Policy:
     module = importlib.import_module(f"mixprec.policies.{BUILTIN[attr]}")
-    return Policy.from_lists(attr, module.TABLE)
+    return Policy.from_lists(attr, module.TABLE, base=attr)
 
 
 def __getattr__(attr: str) -> Policy:

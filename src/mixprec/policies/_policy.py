@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import os
 import types
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from mixprec import _errors
-from mixprec.policies import _advice, _resolve
+from mixprec.policies import _advice, _names, _resolve, _serial
 
 
 class Category(str, enum.Enum):
@@ -51,6 +53,15 @@ class Policy:
     A policy is data: ``table`` maps each op name (ATen or docs spelling) to a
     :class:`Category`. Lookups by callable go through the same names, so
     ``torch.softmax``, ``torch.Tensor.softmax`` and ``"softmax"`` agree.
+    ``base`` names the built-in policy the table started from, so that what
+    the user changed (:attr:`changes`) stays known.
+
+    A policy is immutable: ``with_ops`` and ``without_ops`` return new ones.
+    Ops are named by docs spelling (``"softmax"``), by torch callables
+    (``torch.softmax``) or by ``torch.ops`` packets and overloads, which is how
+    custom ops (``torch.library.custom_op``, ``torch.library.Library``) get a
+    category. An overload's entry (``"aten::mm.default"``) wins over its op's
+    (``"mm"``).
 
     Example:
         >>> import mixprec
@@ -58,24 +69,126 @@ class Policy:
         'fp32_set_opt_dtype'
         >>> mixprec.policies.CPU.category(torch.mm)
         'lower_precision_fp'
+        >>> mine = mixprec.policies.CPU.with_ops(fp32=[torch.mm]).without_ops("cat")
+        >>> mine.changes
+        {'cat': None, 'mm': 'fp32'}
     """
 
     name: str
     table: Mapping[str, Category]
+    base: str | None = None
 
     @classmethod
-    def from_lists(cls, name: str, lists: Mapping[str, Iterable[str]]) -> Policy:
+    def from_lists(cls, name: str, lists: Mapping[str, Iterable[str]], base: str | None = None) -> Policy:
         """Build a policy from ``{category: [op names]}`` (a data module's TABLE)."""
         table: dict[str, Category] = {}
         for category, ops in lists.items():
             parsed = category_of(category)
             for op in ops:
                 table[op.strip()] = parsed
-        return cls(name, types.MappingProxyType(table))
+        return cls(name, types.MappingProxyType(table), base)
+
+    def with_ops(self, **ops: Any) -> Policy:
+        """A new policy with ``ops`` moved to their categories: ``with_ops(fp32=[torch.mm, "bmm"])``.
+
+        Each keyword is a category; its value is one op or an iterable of ops.
+        """
+        table = dict(self.table)
+        moved: dict[str, list[str]] = {}
+        for category, given in ops.items():
+            parsed = category_of(category)
+            names = _names.op_names(given, self.table)
+            _names.check_dtype_category(parsed.value, names)
+            moved.setdefault(parsed.value, []).extend(names)
+            table.update(dict.fromkeys(names, parsed))
+        _serial.check_once("with_ops", moved, [])
+        return self._derived(table)
+
+    def without_ops(self, ops: Any) -> Policy:
+        """A new policy in which ``ops`` are not autocast: they run in the dtype their inputs give.
+
+        Removing an op also removes the entries of its overloads (``"mm"`` takes
+        ``"aten::mm.default"`` with it).
+        """
+        names = _names.op_names(ops, self.table)
+        prefixes = tuple(f"{n}." if "::" in n else f"aten::{n}." for n in names)
+        table = {k: v for k, v in self.table.items() if k not in names and not k.startswith(prefixes)}
+        for name in names:
+            op = _names.op_of_overload(name)
+            if op is not None and op in table:
+                raise ValueError(
+                    _errors.message(
+                        "Cannot take an overload out of autocast on its own",
+                        f"its op is listed as {table[op].value}, and that entry covers every overload",
+                        received={"op": name},
+                        expected=f"the op itself, {op!r}",
+                        fix=f"Use without_ops({op!r}), then with_ops to list the overloads you want autocast.",
+                    )
+                )
+        return self._derived(table)
+
+    def _derived(self, table: Mapping[str, Category]) -> Policy:
+        return Policy(self.name, types.MappingProxyType(dict(table)), self.base)
+
+    @property
+    def changes(self) -> dict[str, str | None]:
+        """What differs from ``base``: ``{op: new category, or None if no longer listed}``, sorted."""
+        return {op: new for op, (new, _old) in self._diff(_serial.base_table(self.base)).items()}
+
+    def diff(self, other: Policy) -> dict[str, tuple[str | None, str | None]]:
+        """``{op: (category here, category in other)}`` for every op the two treat differently, sorted."""
+        if not isinstance(other, Policy):
+            raise TypeError(
+                _errors.message("Cannot diff policies", "the other must be a Policy", received={"other": other},
+                                expected="a mixprec.Policy")
+            )
+        return self._diff(other.table)
+
+    def _diff(self, other: Mapping[str, Category]) -> dict[str, tuple[str | None, str | None]]:
+        names = sorted(set(self.table) | set(other))
+        pairs = ((n, self.table.get(n), other.get(n)) for n in names)
+        return {n: (_value(a), _value(b)) for n, a, b in pairs if a is not b}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The policy as plain data (see ``from_dict``): name, base, ops moved, ops removed."""
+        out: dict[str, Any] = {"name": self.name}
+        if self.base is not None:
+            out["base"] = self.base
+        changes = self.changes
+        removed = [n for n, c in changes.items() if c is None]
+        if removed:
+            out["without_ops"] = removed
+        out["ops"] = {c.value: [n for n, m in changes.items() if m == c.value] for c in Category}
+        out["ops"] = {c: names for c, names in out["ops"].items() if names}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Policy:
+        """Build a policy from ``to_dict``'s output: ``base``'s table, minus ``without_ops``, plus ``ops``."""
+        return cls._from_checked(*_serial.check(data))
+
+    @classmethod
+    def _from_checked(cls, name: str, base: str | None, moved: dict[str, list[str]], removed: list[str]) -> Policy:
+        table = {k: v for k, v in _serial.base_table(base).items() if k not in removed}
+        table.update((n, Category(c)) for c, names in moved.items() for n in names)
+        return cls(name, types.MappingProxyType(table), base)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> Policy:
+        """Read a policy from a TOML file laid out as ``to_dict`` (see ``to_toml``)."""
+        return cls._from_checked(*_serial.check(_serial.read_toml(path), where=f"file {os.fspath(path)!r}"))
+
+    def to_toml(self) -> str:
+        """The policy as the TOML text ``from_file`` reads."""
+        return _serial.to_toml(self.to_dict())
 
     def category(self, op: str | Callable[..., object]) -> str | None:
-        """The category of ``op`` (a name or a torch callable), or None if unlisted."""
-        found = self.table.get(op.strip()) if isinstance(op, str) else self._by_callable.get(op)
+        """The category of ``op`` (a name, a torch callable or a custom op), or None if unlisted."""
+        target = _names.dispatched(op)  # a custom_op object: the overload its calls reach
+        found = None if isinstance(target, str) else self._by_callable.get(target)  # type: ignore[call-overload]
+        if found is None and isinstance(target, str):
+            name = _names.table_key(target)
+            found = None if name is None else self.table.get(name)
         return None if found is None else found.value
 
     def ops(self, category: str) -> tuple[str, ...]:
@@ -84,16 +197,24 @@ class Policy:
         return tuple(sorted(op for op, c in self.table.items() if c is wanted))
 
     def advice(self, op: str) -> str:
-        """The text a banned op raises."""
-        return _advice.ADVICE.get(
+        """The text a banned op raises: why, the safe alternative, and how to lift the ban."""
+        why = _advice.ADVICE.get(
             op,
-            f"{op} is banned in autocast regions by the policy {self.name!r}.",
+            f"{op} is banned in autocast regions by the policy {self.name!r}. The safe alternative is "
+            "to call it outside the autocast region, on float32 inputs.",
+        )
+        from mixprec.policies import BUILTIN
+
+        ref = f"mixprec.policies.{self.name}" if self.name in BUILTIN and not self.changes else "policy"
+        return (
+            f"{why} To lift the ban, move the op to float32: pass "
+            f"policy={ref}.with_ops(fp32=[{op!r}]) to mixprec.autocast."
         )
 
     @functools.cached_property
     def _by_callable(self) -> Mapping[Callable[..., object], Category]:
         found: dict[Callable[..., object], Category] = {}
-        for op, category in self.table.items():
+        for op, category in sorted(self.table.items(), key=_overloads_last):
             for func in _resolve.callables(op):
                 found[func] = category
         return found
@@ -102,18 +223,27 @@ class Policy:
     def _banned_names(self) -> Mapping[Callable[..., object], str]:
         return {
             func: op
-            for op, category in self.table.items()
+            for op, category in sorted(self.table.items(), key=_overloads_last)
             if category is Category.BANNED
             for func in _resolve.callables(op)
         }
 
+    def __copy__(self) -> Policy:
+        return self  # immutable
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Policy:
+        return self
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (self.name, dict(self.table), self.base))
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Policy):
             return NotImplemented
-        return self.name == other.name and dict(self.table) == dict(other.table)
+        return (self.name, self.base, dict(self.table)) == (other.name, other.base, dict(other.table))
 
     def __hash__(self) -> int:
-        return hash((self.name, frozenset(self.table.items())))
+        return hash((self.name, self.base, frozenset(self.table.items())))
 
     def __repr__(self) -> str:
         counts = ",".join(
@@ -121,4 +251,19 @@ class Policy:
             for c in Category
             if any(v is c for v in self.table.values())
         )
-        return f"Policy({self.name}: {counts})"
+        changed = len(self.changes)
+        origin = f", {changed} change{'s' * (changed != 1)} to {self.base}" if changed and self.base else ""
+        return f"Policy({self.name}{origin}: {counts or 'empty'})"
+
+
+def _rebuild(name: str, table: dict[str, Category], base: str | None) -> Policy:
+    return Policy(name, types.MappingProxyType(table), base)
+
+
+def _value(category: Category | None) -> str | None:
+    return None if category is None else category.value
+
+
+def _overloads_last(item: tuple[str, Category]) -> bool:
+    """Sort key: an overload's entry is applied after its op's, so that it wins."""
+    return "." in item[0]

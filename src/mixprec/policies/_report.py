@@ -48,6 +48,29 @@ def _difference(default: Policy, documented: Policy) -> list[str]:
     return [*lines, ""]
 
 
+#: Divergences of the design itself, not of one table entry.
+_BEHAVIOUR = (
+    "An explicit `dtype=` makes a call ineligible, as the references say; the whole call runs "
+    "uncast (ATen still casts the other arguments of a few ops).",
+    "In eval mode under no_grad, `nn.TransformerEncoderLayer` and `nn.MultiheadAttention` skip "
+    "torch's fused inference fast path whenever a TorchFunctionMode is active, so under mixprec "
+    "they run their standard path (the result native gives with "
+    "`torch.backends.mha.set_fastpath_enabled(False)`, bit for bit).",
+)
+
+
+def _divergences() -> list[str]:
+    from mixprec.policies import cpu
+
+    lines = ["## Where mixprec differs from native CPU autocast", ""]
+    lines += [f"- {text}" for text in _BEHAVIOUR]
+    lines += ["", "C++ composites that run uncast (no category at the outer call reproduces native):", ""]
+    lines += [f"- `{name}`: {why}" for name, why in cpu.UNLISTED_COMPOSITES.items()]
+    lines += ["", "Listed composites, on the inputs where native takes another path:", ""]
+    lines += [f"- `{name}`: {why}" for name, why in cpu.COMPOSITE_EXCEPTIONS.items()]
+    return [*lines, ""]
+
+
 def render() -> str:
     """The whole of docs/policies.md."""
     lines = [
@@ -59,11 +82,16 @@ def render() -> str:
         "`CUDA_DOCUMENTED` hold the lists of the torch.cpu.amp and torch.cuda.amp references;",
         "`XPU` is the XPU AMP guide's list.",
         "",
+        "Each is a starting point: `Policy.with_ops` / `without_ops` derive a changed policy,",
+        "`Policy.from_file` reads one from TOML, and `mixprec.explain(op)` says which table an op's",
+        "category comes from (see the README's tour).",
+        "",
         "## Where the defaults and the documented lists differ",
         "",
     ]
     for default, documented in _COMPARISONS:
         lines += _difference(getattr(policies, default), getattr(policies, documented))
+    lines += _divergences()
     lines += ["## The tables", ""]
     for name in policies.BUILTIN:
         lines += _listing(getattr(policies, name))

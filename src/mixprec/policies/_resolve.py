@@ -66,10 +66,35 @@ def _aten(name: str) -> list[object]:
     return [packet, *(getattr(packet, overload) for overload in packet.overloads())]
 
 
-@functools.cache
 def callables(name: str) -> tuple[Callable[..., object], ...]:
-    """All callables that reach the op ``name`` (empty if torch has none)."""
+    """All callables that reach the op ``name`` (empty if torch has none).
+
+    ``ns::op`` names a ``torch.ops`` packet with its overloads and
+    ``ns::op.overload`` one overload; these are looked up afresh each time, as
+    custom ops come and go with their ``torch.library.Library``.
+    """
     name = name.strip()
+    if "::" in name:
+        return _qualified(name)
+    return _named(name)
+
+
+def _qualified(name: str) -> tuple[Callable[..., object], ...]:
+    namespace, _, rest = name.partition("::")
+    op, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), op)
+    except (AttributeError, RuntimeError):
+        return ()
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return ()
+    if overload:
+        return (getattr(packet, overload),) if overload in packet.overloads() else ()
+    return (packet, *(getattr(packet, o) for o in packet.overloads()))
+
+
+@functools.cache
+def _named(name: str) -> tuple[Callable[..., object], ...]:
     builtins = [getattr(ns, name, None) for ns in _c_namespaces()]
     builtins = [f for f in builtins if isinstance(f, _BUILTIN_TYPES)]
     aten = _aten(name)

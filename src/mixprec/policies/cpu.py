@@ -19,7 +19,10 @@ Two parts, merged into ``TABLE``:
 ``UNLISTED_COMPOSITES`` names the composites for which no category at the
 outer call reproduces native (the path taken depends on the inputs, or ops of
 several categories decide the result), with the reason; they stay unlisted
-and run uncast. It is documentation: the policy is ``TABLE``.
+and run uncast. It is documentation: the policy is ``TABLE``. A composite whose
+path depends on its inputs can instead be ported to Python op for op
+(``mixprec._ports``: ``aten::pad``, ``lstm_cell``, ``gru_cell``, ``gru``,
+``linalg_matrix_power``), and then matches native on every path.
 """
 
 LOWER_PRECISION_FP = (
@@ -98,25 +101,28 @@ UNLISTED_COMPOSITES = {
     "transpose equations, and a final pair without a contraction (mul against a float32 "
     "operand), stay float32 natively. Listing it would compute e.g. the rotary-embedding "
     "outer product einsum('i,j->ij', positions, inv_freq) in bfloat16.",
-    "linalg_matrix_power": "n >= 2: matmul (lower); n in (0, 1): identity or copy, float32; "
-    "n < 0: inverse (fp32) before the matmuls, so casting first would make inverse raise.",
-    "matrix_power": "as linalg_matrix_power.",
     "cov": "the mean is subtracted in float32 before the lower-precision mm; casting the input "
     "first subtracts in bfloat16 and loses the data to cancellation when the mean is large.",
     "corrcoef": "cov, then division by the standard deviations: as cov.",
     "linalg_pinv": "svd or eigh (fp32) then matmul (lower): no single category.",
     "bilinear": "_trilinear accumulates lower-precision bmm results into a float32 output.",
-    "gru": "gru_cell: linear in the autocast dtype, gate arithmetic against the float32 "
-    "hidden state, float32 output.",
-    "gru_cell": "as gru.",
-    "lstm_cell": "linear in the autocast dtype, cell state in float32, float32 output.",
-    "pad": "by mode: reflect/replicate reach fp32 pads (not reflection_pad3d), constant and "
-    "circular run uncast.",
+    "gru": "only with a packed sequence (the dense overload is ported): ATen's packed layers run "
+    "GRU cells whose linears are cast natively; mixprec runs the packed call uncast.",
     "roll": "reaches cat for non-empty inputs, as do fft_fftshift, fft_ifftshift, gradient, "
     "diff with prepend/append, combinations, cartesian_prod of 2+ tensors, matrix_exp of "
     "larger matrices and isin of larger inputs. Only the error differs: native raises for an "
     "input in the other lower-precision dtype (float16 under bfloat16). Not reproduced, as "
     "native does not reach cat for every input and the raise is an artefact of the inner cat.",
+}
+
+# Where a listed composite still differs from native, by input.
+COMPOSITE_EXCEPTIONS = {
+    "tensordot": "natively a full contraction to one element goes to dot (unlisted) and stays "
+    "float32; mixprec casts it.",
+    "lstm": "natively mkldnn_rnn_layer runs the layer only for bfloat16 autocast without proj_size "
+    "or packed input; elsewhere native runs the cell loop with a float32 cell state (float32 or "
+    "mixed outputs), and under float16 autocast oneDNN raises on most CPUs. mixprec casts the "
+    "whole layer to the autocast dtype.",
 }
 
 TABLE = {

@@ -1,0 +1,248 @@
+"""Emulated low-precision compute: float32 kernels between low-precision roundings.
+
+Under ``compute="emulated"`` a ``lower_precision_fp`` op still receives its
+inputs cast to the autocast dtype (by the usual rule, through the cast cache),
+and its result has the dtype native autocast gives. In between::
+
+    forward:   x32 = x_low.float()                  # exact
+               y32 = op(x32, ...)                   # float32 kernels
+               return y32.to(low)                   # one rounding per output
+    saved:     the low-precision inputs x_low       # activation memory as native; a weight
+                                                    # (nn.Parameter cast by autocast) is saved as
+                                                    # the parameter itself and re-rounded in backward
+    backward:  g32 = grad_low.float(); x32 = x_low.float()
+               grad_x32 = op's backward(g32, x32)   # float32 kernels
+               return grad_x32.to(low)
+
+Products of low-precision values are exact in float32 and the sums are
+accumulated in float32, which is what bfloat16 / float16 matrix units do, so
+results agree with native kernels up to accumulation order.
+
+Matrix products (mm, addmm, bmm, baddbmm, matmul, linear) and convolutions
+(``mixprec._emulate_kernels``) have their backward written out. Every other
+``lower_precision_fp`` op (scaled_dot_product_attention, RNN cells, nn.LSTM /
+nn.GRU, ...) goes through ``_Recompute``: it saves the low-precision inputs and
+the random-number state, and its backward recomputes the op in float32 from
+them, then differentiates that. A composite (lstm, multi_dot) is rounded at its
+boundary only, not between the steps it makes inside.
+
+Saving the parameter rather than its low-precision copy holds no extra memory
+(the parameter is resident anyway) and frees the copy when the region exits.
+One consequence: like a float32 op, and unlike native autocast, backward raises
+if the parameter was modified in place between forward and backward.
+
+Linear layers with a large output (an LM head's logits) are computed in slices
+of output features (``_emulate_kernels.CHUNK_ELEMENTS``), so that no float32
+copy of the whole output, weight or output gradient is ever made.
+
+An op whose floating inputs are not all in the autocast dtype after casting
+(float64 ones, or another low-precision dtype) runs as native autocast runs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.utils.checkpoint import get_device_states, set_device_states
+
+from mixprec import _emulate_kernels, _state
+
+_Tensor = torch.Tensor
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Switch mixprec's interception off in this thread (a backward may run inside a region)."""
+    state = _state.get()
+    contexts = state.contexts
+    state.contexts = ()
+    try:
+        yield
+    finally:
+        state.contexts = contexts
+
+
+def up(t: torch.Tensor | None, low: torch.dtype) -> Any:
+    """A low-precision tensor as float32 (exact); anything else unchanged."""
+    return t.float() if isinstance(t, _Tensor) and t.dtype is low else t
+
+
+def down(t: Any, low: torch.dtype) -> Any:
+    """A float32 result rounded to the low-precision dtype; anything else unchanged."""
+    return t.to(low) if isinstance(t, _Tensor) and t.dtype is torch.float32 else t
+
+
+def _all_low(tensors: Iterator[Any], low: torch.dtype) -> bool:
+    seen = False
+    for t in tensors:
+        if isinstance(t, _Tensor) and (t.is_floating_point() or t.is_complex()):
+            if t.dtype is not low:
+                return False
+            seen = True
+    return seen
+
+
+def _needs_graph(tensors: Sequence[Any]) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, _Tensor) and t.requires_grad for t in tensors)
+
+
+def _saved(tensors: Sequence[Any], sources: Sequence[Any], keep: Sequence[bool]) -> list[Any]:
+    """What to save: the float32 parameter a low-precision copy came from, else the copy itself."""
+    return [
+        None if not k else (src if src is not None else t) for t, src, k in zip(tensors, sources, keep, strict=True)
+    ]
+
+
+class _Explicit(torch.autograd.Function):
+    """A matrix product or convolution with its backward written out (``_emulate_kernels``)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, kernel: _emulate_kernels.Kernel, params: Any, low: torch.dtype, sources: Any, *tensors: Any
+    ) -> Any:
+        ctx.kernel, ctx.params, ctx.low = kernel, params, low
+        ctx.shapes = tuple(None if t is None else t.shape for t in tensors)
+        ctx.save_for_backward(*_saved(tensors, sources, kernel.keep))
+        return kernel.forward(params, low, *tensors)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        with paused():
+            grads = ctx.kernel.backward(
+                ctx.params, ctx.low, ctx.needs_input_grad[4:], ctx.shapes, grad, *ctx.saved_tensors
+            )
+        return (None, None, None, None, *grads)
+
+
+_SLOT = object()
+
+
+class _Call:
+    """A call with its tensor leaves taken out: ``call(*tensors)`` runs it, outputs flattened."""
+
+    def __init__(self, func: Callable[..., Any], leaves: list[Any], where: list[int], spec: Any) -> None:
+        self.func, self.where, self.spec = func, where, spec
+        self.leaves = [None if isinstance(v, _Tensor) else v for v in leaves]
+        self.out_spec: Any = None
+        self.out_other: list[Any] = []  # the non-tensor output leaves, _SLOT where a tensor goes
+
+    def __call__(self, *tensors: Any) -> list[Any]:
+        leaves = list(self.leaves)
+        for i, t in zip(self.where, tensors, strict=True):
+            leaves[i] = t
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        out_leaves, self.out_spec = pytree.tree_flatten(self.func(*args, **kwargs))
+        self.out_other = [_SLOT if isinstance(v, _Tensor) else v for v in out_leaves]
+        return out_leaves
+
+    def rebuild(self, tensors: Sequence[Any]) -> Any:
+        it = iter(tensors)
+        leaves = [next(it) if v is _SLOT else v for v in self.out_other]
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+class _Recompute(torch.autograd.Function):
+    """Any other op: saves the low-precision inputs, recomputes in float32 for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, low: torch.dtype, sources: Any, *tensors: Any) -> Any:
+        ctx.call, ctx.low = call, low
+        ctx.rng = torch.get_rng_state()
+        ctx.devices, ctx.device_rng = get_device_states(*tensors)
+        ctx.save_for_backward(*_saved(tensors, sources, [True] * len(tensors)))
+        out = call(*(up(t, low) for t in tensors))
+        outs = tuple(down(t, low) for t in out if isinstance(t, _Tensor))
+        ctx.mark_non_differentiable(*(t for t in outs if not t.is_floating_point()))
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        low, saved = ctx.low, ctx.saved_tensors
+        needs = ctx.needs_input_grad[3:]
+        inputs = [
+            _emulate_kernels.r32(t, low).detach().requires_grad_(need) if _is_low(t, low) else t
+            for t, need in zip(saved, needs, strict=True)
+        ]
+        with torch.random.fork_rng(devices=ctx.devices), paused(), torch.enable_grad():
+            torch.set_rng_state(ctx.rng)
+            set_device_states(ctx.devices, ctx.device_rng)
+            outs = [t for t in ctx.call(*inputs) if isinstance(t, _Tensor)]
+        pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
+        wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
+        found = iter(
+            torch.autograd.grad(
+                [o for o, _ in pairs],
+                wanted,
+                [up(g, low) for _, g in pairs],
+                allow_unused=True,
+                create_graph=torch.is_grad_enabled(),
+            )
+            if pairs and wanted
+            else [None] * len(wanted)
+        )
+        return (None, None, None, *(down(next(found), low) if need else None for need in needs))
+
+
+def _sources(tensors: Sequence[Any], originals: Sequence[Any]) -> tuple[Any, ...]:
+    """For each input, the float32 ``nn.Parameter`` it was cast from, else None.
+
+    A parameter stays resident anyway, so backward re-rounds it instead of
+    keeping a low-precision copy alive: the weights cost no saved memory.
+    """
+    return tuple(
+        o if o is not t and isinstance(o, torch.nn.Parameter) and o.dtype is torch.float32 and o.requires_grad else None
+        for t, o in zip(tensors, originals, strict=True)
+    )
+
+
+def _is_low(t: Any, low: torch.dtype) -> bool:
+    return isinstance(t, _Tensor) and (t.dtype is low or t.dtype is torch.float32)
+
+
+def _generic(low: torch.dtype, func: Callable[..., Any], cast: tuple[Any, Any], original: tuple[Any, Any]) -> Any:
+    leaves, spec = pytree.tree_flatten(cast)
+    if not _all_low(iter(leaves), low):
+        return func(*cast[0], **cast[1])
+    where = [i for i, v in enumerate(leaves) if isinstance(v, _Tensor)]
+    call = _Call(func, leaves, where, spec)
+    tensors = [leaves[i] for i in where]
+    if _needs_graph(tensors):
+        originals = pytree.tree_leaves(original)
+        sources = (
+            _sources(tensors, [originals[i] for i in where]) if len(originals) == len(leaves) else (None,) * len(where)
+        )
+        return call.rebuild(_Recompute.apply(call, low, sources, *tensors))
+    out = call(*(up(t, low) for t in tensors))
+    return call.rebuild([down(t, low) for t in out if isinstance(t, _Tensor)])
+
+
+def call(
+    low: torch.dtype,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    original: tuple[tuple[Any, ...], dict[str, Any]],
+) -> Any:
+    """Run a ``lower_precision_fp`` op emulated.
+
+    Args:
+        low: The autocast dtype.
+        func: The op.
+        args, kwargs: The call's arguments, cast to ``low`` by the autocast rule.
+        original: The arguments before that cast, to find the parameters the casts came from.
+    """
+    found = _emulate_kernels.explicit(func, args, kwargs)
+    if found is None:
+        return _generic(low, func, (args, kwargs), original)
+    kernel, params, tensors = found
+    if not _all_low(iter(tensors), low):
+        return func(*args, **kwargs)
+    if not _needs_graph(tensors):
+        return kernel.forward(params, low, *tensors)
+    bound = _emulate_kernels.explicit(func, *original)
+    sources = _sources(tensors, bound[2]) if bound is not None else (None,) * len(tensors)
+    return _Explicit.apply(kernel, params, low, sources, *tensors)

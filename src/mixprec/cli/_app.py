@@ -1,0 +1,109 @@
+"""The typer application: commands, and turning bad input into one line with exit code 2."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+try:  # typer >= 0.25 vendors click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_exceptions  # type: ignore[no-redef]
+
+from mixprec.cli._common import CliError
+
+app = typer.Typer(
+    name="mixprec",
+    help="Automatic mixed precision for PyTorch: a demo, a numerics doctor and the policy tables.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+policy_app = typer.Typer(help="Show, compare and explain autocast policies.", no_args_is_help=True)
+app.add_typer(policy_app, name="policy")
+
+Out = Annotated[Path, typer.Option("--out", help="Directory for the written files.")]
+Device = Annotated[str, typer.Option("--device", help="Device type to run on.")]
+
+
+@app.command()
+def demo(
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per run.")] = 150,
+    device: Device = "cpu",
+    out: Out = Path("mixprec-demo"),
+) -> None:
+    """Train a small CNN on scikit-learn's digits in float32, bfloat16 and float16 (+ GradScaler)."""
+    from mixprec.cli._demo import run_demo
+
+    run_demo(steps, device, out)
+
+
+@app.command()
+def doctor(
+    target: Annotated[
+        str, typer.Argument(metavar="TARGET", help="path/to/file.py:callable or package.module:callable.")
+    ],
+    device: Device = "cpu",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 or float16.")] = None,  # noqa: UP045
+    policy: Annotated[Optional[Path], typer.Option("--policy", help="A policy TOML file.")] = None,  # noqa: UP045
+    out: Out = Path("mixprec-doctor"),
+) -> None:
+    """Compare a model op by op in float32 and under autocast; find the first inf/NaN and a fix."""
+    from mixprec.cli._doctor import run_doctor
+
+    run_doctor(target, device, dtype, policy, out)
+
+
+@policy_app.command("show")
+def policy_show(device: Annotated[str, typer.Argument(help="A device type (cpu, cuda, ...) or policy name.")]) -> None:
+    """List the device's default policy, category by category."""
+    from mixprec.cli._policy_cmd import show
+
+    show(device)
+
+
+@policy_app.command("diff")
+def policy_diff(
+    a: Annotated[str, typer.Argument(help="A policy name (CPU, CUDA, ...) or TOML file.")],
+    b: Annotated[str, typer.Argument(help="A policy name (CPU, CUDA, ...) or TOML file.")],
+) -> None:
+    """The ops whose category differs between two policies."""
+    from mixprec.cli._policy_cmd import diff
+
+    diff(a, b)
+
+
+@policy_app.command("explain")
+def policy_explain(
+    op: Annotated[str, typer.Argument(help="An op name, e.g. softmax or aten::mm.")],
+    device: Device = "cpu",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 or float16.")] = None,  # noqa: UP045
+) -> None:
+    """Why autocast runs OP in the dtype it does."""
+    from mixprec.cli._policy_cmd import explain
+
+    explain(op, device, dtype)
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Run the app; bad input prints ``mixprec: error: ...`` on one line and exits with 2."""
+    try:
+        code = app(args=argv, prog_name="mixprec", standalone_mode=False)  # --help returns its exit code
+    except CliError as error:
+        _fail(str(error))
+    except click_exceptions.UsageError as error:
+        _fail(error.format_message().replace("\n", " "))
+    except typer.Abort:
+        _fail("aborted")
+    except typer.Exit as done:
+        sys.exit(done.exit_code)
+    if isinstance(code, int) and code:
+        sys.exit(code)
+
+
+def _fail(text: str) -> None:
+    print(f"mixprec: error: {text}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,32 @@
+"""What the commands share: one-line usage errors and checking device and dtype names."""
+
+from __future__ import annotations
+
+import torch
+
+from mixprec import _devices
+
+
+class CliError(Exception):
+    """Bad input: printed as one line, exit code 2, no traceback."""
+
+
+def device_type(name: str) -> str:
+    """A device type mixprec knows and this machine has."""
+    spec = _devices.DEVICES.get(name)
+    if spec is None:
+        raise CliError(f"unknown device {name!r}; expected one of: {', '.join(sorted(_devices.DEVICES))}")
+    if not spec.available():
+        raise CliError(f"device {name!r} is not available on this machine; try --device cpu")
+    return name
+
+
+def low_dtype(device: str, name: str | None) -> torch.dtype:
+    """The low-precision dtype named ``name`` (default: the device's autocast default)."""
+    spec = _devices.DEVICES[device]
+    if name is None:
+        return spec.default_dtype
+    names = {_devices.dtype_name(d): d for d in spec.supported_dtypes}
+    if name not in names:
+        raise CliError(f"unknown dtype {name!r} for {device} autocast; expected one of: {', '.join(names)}")
+    return names[name]

@@ -1,0 +1,166 @@
+"""``mixprec doctor TARGET``: load the target, diagnose it, print the worst ops, write the reports.
+
+TARGET is ``path/to/file.py:callable`` or ``package.module:callable``; the
+callable takes no arguments and returns ``(model, example_inputs)`` or
+``(model, example_inputs, loss_fn)``, where ``example_inputs`` is a tensor or a
+tuple of positional arguments and ``loss_fn(output)`` returns a scalar.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mixprec.cli._common import CliError, device_type, low_dtype
+from mixprec.cli._report import write_html
+from mixprec.diagnostics import Diagnosis, OpReport, diagnose
+
+
+def _load_module(location: str) -> Any:
+    if location.endswith(".py") or os.sep in location or "/" in location:
+        path = Path(location)
+        if not path.is_file():
+            raise CliError(f"TARGET file {location!r} does not exist")
+        spec = importlib.util.spec_from_file_location(f"_mixprec_target_{path.stem}", path)
+        if spec is None or spec.loader is None:
+            raise CliError(f"TARGET file {location!r} cannot be imported as Python")
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
+        try:
+            spec.loader.exec_module(module)
+        finally:
+            sys.path.pop(0)
+        return module
+    try:
+        return importlib.import_module(location)
+    except ImportError as error:
+        raise CliError(f"TARGET module {location!r} cannot be imported: {error}") from None
+
+
+def load_target(target: str) -> tuple[torch.nn.Module, tuple[Any, ...], Callable[..., Any] | None]:
+    """Import TARGET and call it; check that it returns (model, inputs[, loss_fn])."""
+    location, sep, name = target.rpartition(":")
+    if not sep or not location or not name:
+        raise CliError(f"TARGET {target!r} must be path/to/file.py:callable or package.module:callable")
+    factory = getattr(_load_module(location), name, None)
+    if factory is None:
+        raise CliError(f"TARGET {target!r}: {location!r} has no attribute {name!r}")
+    if not callable(factory):
+        raise CliError(f"TARGET {target!r}: {name!r} is not callable (type {type(factory).__name__})")
+    try:
+        made = factory()
+    except Exception as error:  # any failure of the user's factory is bad input
+        raise CliError(f"TARGET {target!r} raised {type(error).__name__}: {error}".replace("\n", " ")) from None
+    if not isinstance(made, tuple) or len(made) not in (2, 3):
+        raise CliError(
+            f"TARGET {target!r} returned {type(made).__name__}; expected (model, example_inputs) "
+            "or (model, example_inputs, loss_fn)"
+        )
+    model, inputs, loss_fn = made if len(made) == 3 else (*made, None)
+    if not isinstance(model, torch.nn.Module):
+        raise CliError(f"TARGET {target!r} returned a {type(model).__name__} as model; expected a torch.nn.Module")
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else inputs
+    if not isinstance(inputs, (tuple, list)):
+        kind = type(inputs).__name__
+        raise CliError(f"TARGET {target!r} returned {kind} as example_inputs; expected a tensor or tuple")
+    if loss_fn is not None and not callable(loss_fn):
+        raise CliError(f"TARGET {target!r} returned a {type(loss_fn).__name__} as loss_fn; expected a callable")
+    return model, tuple(inputs), loss_fn
+
+
+def _policy(path: Path | None) -> Any:
+    if path is None:
+        return None
+    import mixprec
+
+    if not path.is_file():
+        raise CliError(f"--policy file {str(path)!r} does not exist")
+    try:
+        return mixprec.Policy.from_file(path)
+    except (ValueError, TypeError) as error:
+        raise CliError(f"--policy file {str(path)!r} is not a policy: {error}".replace("\n", " ")) from None
+
+
+def _fmt(value: float | None, spec: str = ".2e") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def short(source: str) -> str:
+    """``file:line`` relative to the working directory when inside it."""
+    try:
+        return os.path.relpath(source) if source and not os.path.relpath(source).startswith("..") else source
+    except ValueError:
+        return source
+
+
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+
+
+def _dtypes(names: list[str]) -> str:
+    return ",".join(_SHORT.get(n, n) for n in names)
+
+
+def _op(name: str) -> str:
+    return name.removeprefix("torch.").removeprefix("nn.functional.")
+
+
+def _table(diagnosis: Diagnosis) -> Any:
+    from rich.table import Table
+
+    table = Table(title=f"Worst ops under {diagnosis.device} autocast ({str(diagnosis.dtype).removeprefix('torch.')})")
+    for name in ("#", "op", "module", "source", "dtypes", "casts", "abs err", "rel err", "overflow", "underflow",
+                 "inf/NaN"):  # fmt: skip
+        table.add_column(name, no_wrap=name != "op")
+    for r in diagnosis.worst():
+        table.add_row(
+            str(r.index), _op(r.op), r.module or "(model)", os.path.basename(r.source),
+            f"{_dtypes(r.input_dtypes)} -> {_dtypes(r.output_dtypes)}", str(r.casts), _fmt(r.max_abs_error),
+            _fmt(r.max_rel_error), _fmt(r.overflow_fraction, ".1%"), _fmt(r.underflow_fraction, ".1%"),
+            str(r.nonfinite_outputs),
+        )  # fmt: skip
+    return table
+
+
+def _summary(diagnosis: Diagnosis) -> list[str]:
+    first: OpReport | None = diagnosis.first
+    if first is None:
+        return [f"No inf/NaN under autocast ({diagnosis.nonfinite_reference} in the float32 run)."]
+    lines = [
+        f"First inf/NaN: {first.op} (op #{first.index}, {first.phase}) in module "
+        f"{first.module or '(model)'!r} at {short(first.source)}",
+    ]
+    suggestion = diagnosis.suggestion
+    if suggestion is not None:
+        verdict = "fixes it: no inf/NaN left" if suggestion.fixes else f"still {suggestion.nonfinite_after} inf/NaN"
+        lines.append(f"Suggestion: {suggestion.code}   (re-run with it: {verdict})")
+    return lines
+
+
+def run_doctor(target: str, device: str, dtype: str | None, policy: Path | None, out: Path) -> None:
+    """The ``mixprec doctor`` command."""
+    from rich.console import Console
+
+    device = device_type(device)
+    low = low_dtype(device, dtype)
+    chosen = _policy(policy)
+    loaded = load_target(target)
+    console = Console(width=max(Console().width, 150))
+    with console.status("Running float32 and autocast passes..."):
+        diagnosis = diagnose(loaded, device, low, chosen)
+    console.print(_table(diagnosis))
+    for line in _summary(diagnosis):
+        console.print(line, highlight=False, markup=False, soft_wrap=True)
+    os.makedirs(out, exist_ok=True)
+    report = diagnosis.to_json(target)
+    (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))
+    write_html(report, out / "report.html")
+    console.print(f"Wrote {out / 'report.json'} and {out / 'report.html'}")
+

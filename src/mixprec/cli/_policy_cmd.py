@@ -1,0 +1,100 @@
+"""``mixprec policy show|diff|explain``: the policy tables, read straight from the data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mixprec import _devices
+from mixprec.cli._common import CliError, device_type, low_dtype
+
+
+def resolve(name: str) -> Any:
+    """A policy by built-in name (``CPU``, ``cuda_documented``), device type (``cpu``) or TOML file."""
+    import mixprec
+
+    if name.endswith(".toml") or Path(name).is_file():
+        if not Path(name).is_file():
+            raise CliError(f"policy file {name!r} does not exist")
+        try:
+            return mixprec.Policy.from_file(name)
+        except (ValueError, TypeError) as error:
+            raise CliError(f"policy file {name!r} is not a policy: {error}".replace("\n", " ")) from None
+    if name.upper() in mixprec.policies.BUILTIN:
+        return getattr(mixprec.policies, name.upper())
+    if name in _devices.DEVICES:
+        return getattr(mixprec.policies, _devices.DEVICES[name].policy)
+    known = [*mixprec.policies.BUILTIN, *sorted(_devices.DEVICES)]
+    raise CliError(f"unknown policy {name!r}; expected a TOML file or one of: {', '.join(known)}")
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    return Console(width=max(Console().width, 100))
+
+
+def show(device: str) -> None:
+    """The policy a device uses by default, one row per category."""
+    from rich.table import Table
+
+    spec = _devices.DEVICES.get(device)
+    policy = resolve(device)
+    title = f"Policy {policy.name}"
+    if spec is not None:
+        dtypes = ", ".join(_devices.dtype_name(d) for d in spec.supported_dtypes)
+        title += f" (device {device}: default dtype {_devices.dtype_name(spec.default_dtype)}; supports {dtypes})"
+    table = Table(title=title, show_lines=True)
+    table.add_column("category", no_wrap=True)
+    table.add_column("ops", justify="right")
+    table.add_column("names")
+    from mixprec.policies import Category
+
+    for category in Category:
+        ops = policy.ops(category.value)
+        if ops:
+            table.add_row(category.value, str(len(ops)), ", ".join(ops))
+    _console().print(table)
+
+
+def diff(a: str, b: str) -> None:
+    """Every op the two policies treat differently."""
+    from rich.table import Table
+
+    first, second = resolve(a), resolve(b)
+    changed = first.diff(second)
+    console = _console()
+    if not changed:
+        console.print(f"{first.name} and {second.name} put every op in the same category.")
+        return
+    table = Table(title=f"{len(changed)} ops differ: {first.name} vs {second.name}")
+    table.add_column("op")
+    table.add_column(first.name)
+    table.add_column(second.name)
+    for op, (left, right) in changed.items():
+        table.add_row(op, left or "(unlisted)", right or "(unlisted)")
+    console.print(table)
+
+
+def explain(op: str, device: str, dtype: str | None) -> None:
+    """Why autocast runs ``op`` as it does, for float32 inputs and for inputs already in the low dtype."""
+    import mixprec
+
+    device = device_type(device)
+    low = low_dtype(device, dtype)
+    policy = resolve(device)
+    try:
+        answers = [
+            mixprec.explain(op, device, policy, dtype=low, input_dtypes=(inputs,)) for inputs in (_float32(), low)
+        ]
+    except (ValueError, TypeError) as error:
+        raise CliError(f"cannot explain op {op!r}: {error}".replace("\n", " ")) from None
+    console = _console()
+    for answer in answers:
+        console.print(str(answer), highlight=False, markup=False)
+
+
+def _float32() -> Any:
+    import torch
+
+    return torch.float32

@@ -1,0 +1,165 @@
+"""Runs a model in float32 and under autocast, and compares the two op by op.
+
+Ops are matched by ``(module path, op name, occurrence in that module)``, so an
+op that runs only in one of the runs (a composite autocast expands, a cast) is
+reported without an error figure rather than compared with the wrong op.
+
+Per op (``OpReport``): ``max_abs_error`` = max |autocast - float32| over the
+positions where both are finite; ``max_rel_error`` = that over max |float32|
+(normwise); ``overflow_fraction`` / ``underflow_fraction`` = the fraction of the
+float32 reference values that become inf / flush to zero when held in the
+low-precision dtype (only for ops whose autocast output is in that dtype).
+With a loss, each parameter's gradient gets a row too (phase "backward", op
+"grad", the module owning the parameter, the module's ``forward`` as source).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+import mixprec
+from mixprec.diagnostics._recorder import OpRecord, Recorder, nonfinite
+
+
+@dataclasses.dataclass
+class OpReport:
+    """One row of the doctor's table (see docs/doctor.md for the JSON schema)."""
+
+    index: int
+    phase: str
+    op: str
+    module: str
+    source: str
+    input_dtypes: list[str]
+    output_dtypes: list[str]
+    casts: int
+    max_abs_error: float | None
+    max_rel_error: float | None
+    overflow_fraction: float | None
+    underflow_fraction: float | None
+    nonfinite_inputs: int
+    nonfinite_outputs: int
+    produced_nonfinite: bool
+
+    def badness(self) -> tuple[int, float, float]:
+        """Sort key, worst first when reversed: produced inf/NaN, then overflow/underflow, then error."""
+        lost = (self.overflow_fraction or 0.0) + (self.underflow_fraction or 0.0)
+        rel = self.max_rel_error if self.max_rel_error is not None else 0.0
+        return (int(self.produced_nonfinite) + int(self.nonfinite_outputs > 0), lost, rel)
+
+
+@dataclasses.dataclass
+class Run:
+    """One pass: the recorded ops, the outputs' non-finite count and the parameters' gradients."""
+
+    records: list[OpRecord]
+    nonfinite: int
+    grads: dict[str, torch.Tensor]
+
+
+Target = tuple[torch.nn.Module, tuple[Any, ...], Callable[..., Any] | None]
+
+
+def run_once(target: Target, region: contextlib.AbstractContextManager[Any], record: bool = True) -> Run:
+    """Forward (and backward with a loss) inside ``region``; the recorder sits below it."""
+    model, inputs, loss_fn = target
+    model.zero_grad(set_to_none=True)
+    recorder = Recorder(model) if record else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=[]), recorder, region:
+        torch.manual_seed(0)  # the same dropout masks in every run
+        output = model(*inputs)
+        loss = loss_fn(output) if loss_fn is not None else None
+    if loss is not None:
+        loss.float().backward()
+    bad = nonfinite([t for t in torch.utils._pytree.tree_flatten(output)[0] if isinstance(t, torch.Tensor)])
+    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    bad += nonfinite(list(grads.values()))
+    records = recorder.records if isinstance(recorder, Recorder) else []
+    return Run(records, bad, grads)
+
+
+def _errors(got: torch.Tensor, ref: torch.Tensor | None) -> tuple[float | None, float | None]:
+    if ref is None or ref.shape != got.shape:
+        return None, None
+    both = torch.isfinite(got) & torch.isfinite(ref)
+    if not bool(both.any()):
+        return None, None
+    diff = float((got[both] - ref[both]).abs().max())
+    scale = float(ref[both].abs().max())
+    return diff, diff / scale if scale > 0 else None
+
+
+def _lost(ref: torch.Tensor | None, low: torch.dtype) -> tuple[float | None, float | None]:
+    if ref is None or ref.numel() == 0:
+        return None, None
+    held = ref.to(low)
+    overflow = (torch.isfinite(ref) & torch.isinf(held)).float().mean()
+    underflow = ((ref != 0) & (held == 0)).float().mean()
+    return float(overflow), float(underflow)
+
+
+def compare(reference: Run, amp: Run, low: torch.dtype) -> list[OpReport]:
+    """One OpReport per op of the autocast run, then one per parameter gradient."""
+    by_key = {r.key: r.output for r in reference.records}
+    low_name = str(low).removeprefix("torch.")
+    rows = []
+    for rec in amp.records:
+        ref = by_key.get(rec.key)
+        got = rec.output if rec.output is not None else torch.empty(0)
+        abs_err, rel_err = _errors(got, ref)
+        over, under = _lost(ref, low) if rec.output_dtypes[:1] == [low_name] else (None, None)
+        rows.append(
+            OpReport(
+                rec.index, "forward", rec.op, rec.module, rec.source, rec.input_dtypes, rec.output_dtypes,
+                rec.casts, abs_err, rel_err, over, under, rec.nonfinite_inputs, rec.nonfinite_outputs,
+                rec.produced_nonfinite,
+            )
+        )  # fmt: skip
+    forward_clean = not any(r.nonfinite_outputs for r in rows)
+    return rows + list(_grad_rows(reference, amp, len(rows), forward_clean))
+
+
+def _grad_rows(reference: Run, amp: Run, start: int, forward_clean: bool) -> Iterator[OpReport]:
+    """A gradient row 'produced' inf/NaN only if the forward had none (else it inherited them)."""
+    for i, (name, grad) in enumerate(amp.grads.items()):
+        module = name.rpartition(".")[0]
+        abs_err, rel_err = _errors(grad, reference.grads.get(name))
+        bad = nonfinite([grad])
+        yield OpReport(
+            start + i, "backward", f"grad of {name}", module, "", ["float32"], ["float32"], 0,
+            abs_err, rel_err, None, None, 0, bad, bad > 0 and forward_clean,
+        )  # fmt: skip
+
+
+def module_source(model: torch.nn.Module, path: str) -> str:
+    """``file:line`` of the ``forward`` of the module at ``path``."""
+    forward = type(model.get_submodule(path)).forward
+    try:
+        _, start = inspect.getsourcelines(forward)
+        return f"{os.path.abspath(inspect.getsourcefile(forward) or '?')}:{start}"
+    except (OSError, TypeError):
+        return "<unknown>"
+
+
+def first_nonfinite(rows: list[OpReport]) -> OpReport | None:
+    """The first row, in execution order, that produced inf/NaN (else the first holding any)."""
+    produced = next((r for r in rows if r.produced_nonfinite), None)
+    return produced or next((r for r in rows if r.nonfinite_outputs > 0), None)
+
+
+def autocast_region(device: str, dtype: torch.dtype, policy: mixprec.Policy | None) -> mixprec.autocast:
+    """The doctor's region: ``compute="native"``, so each op is one call the recorder sees.
+
+    Emulated compute (``compute="emulated"``) runs a matmul as several float32 calls
+    with roundings between them; the recorder would see those pieces instead of the
+    op. The numerics are the same where it matters here: the output is rounded to
+    the low-precision dtype, so it overflows or flushes to zero as under emulation.
+    """
+    return mixprec.autocast(device, dtype=dtype, policy=policy, compute="native")

@@ -1,0 +1,132 @@
+"""The numerics doctor's engine: compare, find the first inf/NaN, suggest and check a fix.
+
+Algorithm::
+
+    reference = run(target) in float32                       # recorded op by op
+    amp       = run(target) under mixprec.autocast(device, dtype, policy)
+    rows      = compare(reference, amp)                        # errors, overflow, non-finite per op
+    first     = first row that turned finite values into inf/NaN
+    for path in first.module, its parents ..., the root:       # innermost first
+        with mixprec.set_module_policy(model.<path>, "fp32"): # the suggestion
+            if run(target) under autocast has no inf/NaN: suggest it; stop
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import mixprec
+from mixprec import _devices
+from mixprec.diagnostics._compare import OpReport, Target, compare, first_nonfinite, module_source, run_once
+
+SCHEMA = "mixprec.doctor/1"
+
+
+@dataclasses.dataclass
+class Suggestion:
+    """A policy change, as code, and whether re-running with it removed every inf/NaN."""
+
+    code: str
+    module: str
+    fixes: bool
+    nonfinite_after: int
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    """What ``mixprec doctor`` reports; ``to_json`` gives the documented schema."""
+
+    device: str
+    dtype: torch.dtype
+    policy: str
+    has_loss: bool
+    rows: list[OpReport]
+    nonfinite_reference: int
+    nonfinite_autocast: int
+    first: OpReport | None
+    suggestion: Suggestion | None
+
+    def worst(self, count: int = 10) -> list[OpReport]:
+        """The ``count`` worst rows: inf/NaN first, then overflow/underflow, then relative error."""
+        return sorted(self.rows, key=OpReport.badness, reverse=True)[:count]
+
+    def to_json(self, target: str) -> dict[str, Any]:
+        first = self.first
+        return {
+            "schema": SCHEMA,
+            "target": target,
+            "device": self.device,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "policy": self.policy,
+            "backward": self.has_loss,
+            "nonfinite": {"float32": self.nonfinite_reference, "autocast": self.nonfinite_autocast},
+            "first_nonfinite": None
+            if first is None
+            else {"op": first.op, "module": first.module, "source": first.source, "index": first.index},
+            "suggestion": None if self.suggestion is None else dataclasses.asdict(self.suggestion),
+            "worst": [r.index for r in self.worst()],
+            "ops": [dataclasses.asdict(r) for r in self.rows],
+        }
+
+
+def _ancestors(path: str) -> Iterator[str]:
+    while path:
+        yield path
+        path = path.rpartition(".")[0]
+    yield ""
+
+
+def _code(path: str) -> str:
+    """Python that reaches the module: ``model.decoder[0]`` for ``decoder.0``."""
+    access = "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in path.split(".")) if path else ""
+    return f'mixprec.set_module_policy(model{access}, "fp32")'
+
+
+def _suggest(target: Target, first: OpReport, region: Any) -> Suggestion:
+    model = target[0]
+    tried = []
+    for path in _ancestors(first.module):
+        with mixprec.set_module_policy(model.get_submodule(path), "fp32"):
+            after = run_once(target, region(), record=False).nonfinite
+        tried.append(Suggestion(_code(path), path, after == 0, after))
+        if after == 0:
+            break
+    return tried[-1]  # the first that fixes it, else the root's (autocast off for the whole model)
+
+
+def diagnose(target: Target, device: str, dtype: torch.dtype, policy: mixprec.Policy | None = None) -> Diagnosis:
+    """Run ``target`` in float32 and under autocast and report op by op.
+
+    Args:
+        target: ``(model, example_inputs, loss_fn or None)``; inputs are passed as ``model(*inputs)``
+            and ``loss_fn(output)`` must return a scalar.
+        device: The autocast device type.
+        dtype: The low-precision dtype.
+        policy: The policy to run under (default: the device's).
+
+    Example:
+        >>> d = diagnose((model, (x,), None), "cpu", torch.float16)
+        >>> d.first.module if d.first else None
+    """
+    model = target[0]
+
+    def region() -> mixprec.autocast:
+        return mixprec.autocast(device, dtype=dtype, policy=policy)
+
+    reference = run_once(target, contextlib.nullcontext())
+    amp = run_once(target, region())
+    rows = compare(reference, amp, dtype)
+    for row in rows:
+        if row.phase == "backward":
+            row.source = module_source(model, row.module)
+    first = first_nonfinite(rows)
+    suggestion = _suggest(target, first, region) if first is not None else None
+    name = policy.name if policy is not None else _devices.spec(device).policy
+    return Diagnosis(device, dtype, name, target[2] is not None, rows, reference.nonfinite, amp.nonfinite, first,
+                     suggestion)  # fmt: skip
+

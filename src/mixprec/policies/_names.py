@@ -1,0 +1,188 @@
+"""Naming ops for a policy: docs spelling, torch callables, ``torch.ops`` packets and overloads.
+
+A policy table is keyed by strings, so every way a user can name an op is
+turned into one string first:
+
+==========================================  =============================
+given                                       table name
+==========================================  =============================
+``"softmax"``, ``"aten::softmax"``           ``"softmax"`` (docs spelling)
+``torch.softmax``, ``torch.Tensor.softmax``  ``"softmax"``
+``torch.linalg.inv``                         ``"linalg_inv"``
+``torch.ops.aten.softmax``                   ``"softmax"``
+``torch.ops.aten.softmax.int``               ``"aten::softmax.int"`` (that overload only)
+``torch.ops.mylib.op`` / a ``custom_op``     ``"mylib::op"`` (all its overloads)
+``torch.ops.mylib.op.default``               ``"mylib::op.default"``
+==========================================  =============================
+
+A name must reach at least one callable (``_resolve.callables``), or else be
+already listed in the policy being changed; anything else is refused with the
+closest names torch knows.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import types
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from mixprec import _errors
+from mixprec.policies import _resolve
+
+_EXPECTED = (
+    "an op name in ATen or docs spelling (e.g. 'softmax', 'linalg_inv', 'mylib::op'), a torch callable "
+    "(e.g. torch.softmax), or a torch.ops packet or overload (e.g. torch.ops.mylib.op)"
+)
+
+
+def _packet_name(packet: torch._ops.OpOverloadPacket) -> str:
+    qualified: str = packet._qualified_op_name
+    return qualified.removeprefix("aten::")
+
+
+def table_key(op: object) -> str | None:
+    """The table name ``op`` spells, before checking that it names anything."""
+    if isinstance(op, str):
+        name = op.strip()
+        return name.removeprefix("aten::") if name.count(".") == 0 else name
+    if isinstance(op, torch._ops.OpOverload):
+        return f"{op.overloadpacket._qualified_op_name}.{op._overloadname}"
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return _packet_name(op)
+    qualname = getattr(op, "_qualname", None)  # torch.library.custom_op's CustomOpDef
+    if isinstance(qualname, str) and "::" in qualname:
+        return qualname.removeprefix("aten::")
+    module = getattr(op, "__module__", None)
+    torch_function = isinstance(module, str) and module.split(".")[0] == "torch"
+    if callable(op) and (torch_function or isinstance(op, _resolve._BUILTIN_TYPES)):
+        return _resolve.name_of(op)
+    return None
+
+
+@functools.cache
+def _known_names() -> tuple[str, ...]:
+    """Names to suggest from: ATen ops, the C namespaces and the Python ones."""
+    names = {n.removeprefix("aten::").split(".")[0] for n in torch._C._dispatch_get_all_op_names()}
+    names.update(n for n in dir(torch._C._VariableFunctions) if not n.startswith("_"))
+    for prefix, namespace in _resolve._python_namespaces():
+        names.update(prefix + n for n in dir(namespace) if not n.startswith("_"))
+    return tuple(sorted(names))
+
+
+def _unknown(op: object, name: str | None, listed: Iterable[str]) -> ValueError:
+    close = difflib.get_close_matches(name, [*_known_names(), *listed], n=5) if name else []
+    hint = f"Did you mean one of: {', '.join(close)}?" if close else None
+    what = "not a torch op or op name" if name is None else "it names no op torch has and the policy does not list it"
+    return ValueError(
+        _errors.message(
+            "Cannot name this op in a policy",
+            what,
+            received={"op": op},
+            expected=_EXPECTED,
+            fix=hint,
+        )
+    )
+
+
+def op_name(op: object, listed: Mapping[str, object] | None = None) -> str:
+    """The table name of ``op``; ValueError if it names nothing (and ``listed`` does not hold it).
+
+    Example:
+        >>> op_name(torch.linalg.inv)
+        'linalg_inv'
+        >>> op_name(torch.ops.aten.softmax.int)
+        'aten::softmax.int'
+    """
+    listed = {} if listed is None else listed
+    name = table_key(op)
+    if name is None:
+        if isinstance(op, str) or callable(op):
+            raise _unknown(op, None, listed)
+        raise TypeError(
+            _errors.message(
+                "Cannot name this op in a policy",
+                "ops are named by strings or torch callables",
+                received={"op": op},
+                expected=_EXPECTED,
+            )
+        )
+    if name in listed or _resolve.callables(name):
+        return name
+    raise _unknown(op, name, listed)
+
+
+def op_names(ops: object, listed: Mapping[str, object] | None = None) -> list[str]:
+    """Table names for one op or an iterable of ops, in order, without repeats."""
+    items: Iterable[object] = [ops] if isinstance(ops, str) or callable(ops) else _iterable(ops)
+    out: list[str] = []
+    for op in items:
+        name = op_name(op, listed)
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def _iterable(ops: object) -> Iterable[object]:
+    if isinstance(ops, Iterable) and not isinstance(ops, (bytes, Mapping)):
+        return ops
+    raise TypeError(
+        _errors.message(
+            "Cannot read the ops to change",
+            "pass one op or an iterable of ops",
+            received={"ops": ops},
+            expected=_EXPECTED,
+        )
+    )
+
+
+
+def op_of_overload(name: str) -> str | None:
+    """The table name of the op an overload name belongs to (``aten::mm.default`` -> ``mm``), else None."""
+    if "::" not in name or "." not in name:
+        return None
+    return name.split(".")[0].removeprefix("aten::")
+
+
+def dispatched(op: object) -> object:
+    """What a call of ``op`` reaches the mode as: a ``custom_op`` object calls its default overload."""
+    overload = getattr(op, "_opoverload", None)
+    return overload if isinstance(overload, torch._ops.OpOverload) else op
+
+
+#: The categories that pass ``dtype=float32`` to the op instead of casting its inputs.
+DTYPE_CATEGORIES = ("fp32_set_opt_dtype", "fp32_append_dtype")
+
+
+def takes_dtype(name: str) -> bool:
+    """Whether a callable that reaches ``name`` has a ``dtype`` argument (ATen schema or Python signature).
+
+    A name that reaches nothing (kept from an older torch) is given the benefit of the doubt.
+    """
+    found = _resolve.callables(name)
+    for func in found:
+        if isinstance(func, torch._ops.OpOverload) and any(a.name == "dtype" for a in func._schema.arguments):
+            return True
+        if isinstance(func, types.FunctionType) and "dtype" in inspect.signature(func).parameters:
+            return True
+    return not found
+
+
+def check_dtype_category(category: str, names: list[str]) -> None:
+    """ValueError if ``category`` passes dtype= and one of ``names`` takes no dtype argument."""
+    if category not in DTYPE_CATEGORIES:
+        return
+    for name in names:
+        if not takes_dtype(name):
+            raise ValueError(
+                _errors.message(
+                    f"Cannot put this op in {category}",
+                    "that category passes dtype=float32 to the op, and the op takes no dtype argument",
+                    received={"op": name},
+                    expected="an op with a dtype argument (e.g. softmax, log_softmax, sum, cumsum, prod, norm)",
+                    fix="To run the op in float32, use the fp32 category, which casts its inputs.",
+                )
+            )

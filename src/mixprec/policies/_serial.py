@@ -1,0 +1,130 @@
+"""A policy as plain data: the dict of ``to_dict`` / ``from_dict`` and its TOML file.
+
+The dict holds a policy as changes to a built-in one, so that a file beside a
+training config stays short and says what the user changed::
+
+    name = "finetune"            # optional; defaults to base, or "custom"
+    base = "CPU"                 # optional; a built-in policy (mixprec.policies.BUILTIN)
+    without_ops = ["cat"]        # listed by base, not autocast here
+
+    [ops]                        # category -> ops moved there
+    fp32 = ["softmax", "mylib::rotary"]
+
+Without ``base`` the table is exactly ``[ops]``. ``from_dict`` rebuilds the
+table as ``base.table``, minus ``without_ops``, plus ``[ops]``, which is what
+``to_dict`` wrote, so the two round-trip.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from mixprec import _errors
+from mixprec.policies import _names
+
+KEYS = ("name", "base", "ops", "without_ops")
+
+
+def _builtin_names() -> tuple[str, ...]:
+    from mixprec.policies import BUILTIN
+
+    return tuple(BUILTIN)
+
+
+def base_table(base: str | None) -> Mapping[str, Any]:
+    """The table of the built-in policy ``base`` (empty for None)."""
+    if base is None:
+        return {}
+    import mixprec.policies as policies
+
+    return getattr(policies, base).table  # type: ignore[no-any-return]
+
+
+def _bad(where: str, why: str, name: str, value: object, expected: object) -> ValueError:
+    exp = expected if isinstance(expected, str) else list(expected)  # type: ignore[call-overload]
+    return ValueError(_errors.message(f"Invalid policy {where}", why, received={name: value}, expected=exp))
+
+
+def _string_list(where: str, key: str, value: object) -> list[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+        raise _bad(where, f"{key} must list op names as strings", key, value, "a list of strings")
+    return list(items)
+
+
+def check(data: object, where: str = "dict") -> tuple[str, str | None, dict[str, list[str]], list[str]]:
+    """Validate a policy dict: (name, base, {category: names}, without_ops), names checked."""
+    from mixprec.policies._policy import category_of
+
+    if not isinstance(data, Mapping):
+        raise TypeError(
+            _errors.message(f"Invalid policy {where}", "it must be a mapping", received={"data": data},
+                            expected="a dict with keys: " + ", ".join(KEYS))
+        )
+    unknown = [k for k in data if k not in KEYS]
+    if unknown:
+        raise _bad(where, "it has an unknown key", "key", unknown[0], KEYS)
+    base = data.get("base")
+    if base is not None and base not in _builtin_names():
+        raise _bad(where, "base must name a built-in policy", "base", base, _builtin_names())
+    name = data.get("name", base or "custom")
+    if not isinstance(name, str):
+        raise _bad(where, "name must be a string", "name", name, "a string")
+    listed = base_table(base)
+    ops = data.get("ops", {})
+    if not isinstance(ops, Mapping):
+        raise _bad(where, "ops must map categories to op names", "ops", ops, "a table such as {fp32 = ['softmax']}")
+    moved: dict[str, list[str]] = {}
+    for category, given in ops.items():
+        names = [_names.op_name(n, listed) for n in _string_list(where, "ops", given)]
+        _names.check_dtype_category(category_of(category).value, names)
+        moved[category_of(category).value] = names
+    removed = [_names.op_name(n, listed) for n in _string_list(where, "without_ops", data.get("without_ops", []))]
+    check_once(where, moved, removed)
+    return name, base, moved, removed
+
+
+def check_once(where: str, moved: dict[str, list[str]], removed: list[str]) -> None:
+    seen: dict[str, str] = {}
+    for category, names in [*moved.items(), ("without_ops", removed)]:
+        for n in names:
+            if seen.setdefault(n, category) != category:
+                raise _bad(where, f"an op is listed under both {seen[n]} and {category}", "op", n,
+                           "each op at most once")
+
+
+def to_toml(data: Mapping[str, Any]) -> str:
+    """Render ``to_dict``'s output as TOML (strings and lists of strings only)."""
+    lines = [f"{key} = {_toml_value(data[key])}" for key in ("name", "base", "without_ops") if key in data]
+    lines += ["", "[ops]"] + [f"{cat} = {_toml_value(names)}" for cat, names in data.get("ops", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    return "[" + ", ".join(_toml_value(v) for v in value) + "]"  # type: ignore[attr-defined]
+
+
+def read_toml(path: object) -> dict[str, Any]:
+    """Parse a TOML file, turning a syntax error into mixprec's error naming the file."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - Python 3.10
+        import tomli as tomllib
+    with open(path, "rb") as f:  # type: ignore[call-overload]
+        raw = f.read()
+    try:
+        return tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(
+            _errors.message(
+                "Cannot read policy file",
+                f"it is not valid TOML ({error})",
+                received={"path": str(path)},
+                expected="a TOML file with the keys " + ", ".join(KEYS),
+            )
+        ) from None

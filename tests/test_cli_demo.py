@@ -1,0 +1,88 @@
+"""`mixprec demo`: a few real training steps write the PNG and the table; runs are reproducible."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from _cli import run
+from mixprec.cli import _demo
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_writes_png_and_table(capsys, tmp_path):
+    result = run(capsys, "demo", "--steps", "3", "--out", str(tmp_path))
+    assert result.code == 0, result.err
+    assert (tmp_path / "demo.png").read_bytes()[:8] == PNG_MAGIC
+    for label in ("float32", "bf16 autocast", "fp16 autocast + GradScaler", "casts/step", "peak memory", "test acc"):
+        assert label in result.out
+
+
+def test_same_seed_same_run():
+    data = _demo.load_digits("cpu")
+    first, second = (_demo.train(_demo.SETUPS[1], 2, "cpu", data) for _ in range(2))
+    assert first.losses == second.losses and first.accuracy == second.accuracy
+
+
+class _CountToCopy(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._to_copy.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_casts_per_step_equals_native_autocast_casts():
+    data = _demo.load_digits("cpu")
+    result = _demo.train(_demo.SETUPS[1], 1, "cpu", data)
+    torch.manual_seed(_demo.SEED)
+    model, (x, y) = _demo.make_model(), (data[0][: _demo.BATCH], data[1][: _demo.BATCH])
+    with _CountToCopy() as native, torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.cross_entropy(model(x), y)
+    assert result.casts_per_step == native.count == 10  # 8 weights and biases, the input, the logits to fp32
+
+
+def test_float32_run_has_no_casts_and_scaler_skips_nothing_in_fp32():
+    data = _demo.load_digits("cpu")
+    result = _demo.train(_demo.SETUPS[0], 1, "cpu", data)
+    assert result.casts_per_step == 0 and result.skipped == [] and result.peak_bytes > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hardware_note_says_when_units_are_missing(monkeypatch, dtype):
+    monkeypatch.setattr(_demo, "_cpu_flags", set)
+    for _, check in _demo.FAST_UNITS[dtype]:
+        if check:
+            monkeypatch.setattr(torch.cpu, check, lambda: False, raising=False)
+    assert _demo.hardware_note("cpu", dtype).startswith("NONE")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_hardware_note_names_the_flag(monkeypatch, dtype):
+    flag = _demo.FAST_UNITS[dtype][0][0]
+    monkeypatch.setattr(_demo, "_cpu_flags", lambda: {flag})
+    assert flag in _demo.hardware_note("cpu", dtype)
+
+
+def test_python_dash_m_runs_the_command():
+    src = Path(__file__).parents[1] / "src"
+    done = subprocess.run([sys.executable, "-m", "mixprec", "--help"], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 0 and "demo" in done.stdout and "doctor" in done.stdout
+
+
+def test_import_mixprec_loads_no_cli_dependency():
+    src = Path(__file__).parents[1] / "src"
+    heavy = "('typer', 'rich', 'matplotlib', 'sklearn')"
+    code = f"import sys, mixprec; print(sorted(m for m in {heavy} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}, timeout=60, check=True)  # fmt: skip
+    assert done.stdout.strip() == "[]"

@@ -1,0 +1,37 @@
+"""Bad input to the `mixprec` command: one line naming what was wrong, exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from _cli import PLANTED, run
+
+CASES = {
+    "missing-target": (["doctor"], "Missing argument 'TARGET'"),
+    "target-file-missing": (["doctor", "no/such/file.py:build"], "does not exist"),
+    "target-module-missing": (["doctor", "no_such_module_xyz:build"], "cannot be imported"),
+    "target-no-colon": (["doctor", "just_text"], "must be path/to/file.py:callable"),
+    "target-attribute-missing": (["doctor", f"{PLANTED}:missing"], "has no attribute 'missing'"),
+    "target-not-callable": (["doctor", f"{PLANTED}:NOT_CALLABLE"], "is not callable"),
+    "target-raises": (["doctor", f"{PLANTED}:raises"], "raised FileNotFoundError: weights.pt"),
+    "target-wrong-shape": (["doctor", f"{PLANTED}:wrong_shape"], "expected (model, example_inputs)"),
+    "doctor-unknown-device": (["doctor", f"{PLANTED}:build", "--device", "tpu"], "unknown device 'tpu'"),
+    "doctor-unavailable-device": (["doctor", f"{PLANTED}:build", "--device", "mps"], "not available"),
+    "doctor-unknown-dtype": (["doctor", f"{PLANTED}:build", "--dtype", "int8"], "unknown dtype 'int8'"),
+    "doctor-policy-missing": (["doctor", f"{PLANTED}:build", "--policy", "nope.toml"], "does not exist"),
+    "demo-unknown-device": (["demo", "--device", "tpu"], "unknown device 'tpu'"),
+    "demo-zero-steps": (["demo", "--steps", "0"], "--steps"),
+    "policy-unknown": (["policy", "show", "nope"], "unknown policy 'nope'"),
+    "policy-diff-unknown": (["policy", "diff", "CPU", "nope"], "unknown policy 'nope'"),
+    "explain-unknown-op": (["policy", "explain", "notanop"], "cannot explain op 'notanop'"),
+    "unknown-command": (["bogus"], "No such command 'bogus'"),
+}
+
+
+@pytest.mark.parametrize("argv,needle", CASES.values(), ids=CASES.keys())
+def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
+    result = run(capsys, *argv)
+    assert result.code == 2
+    assert result.err.startswith("mixprec: error: ") and result.err.count("\n") == 1, result.err
+    assert needle in result.err
+    assert "Traceback" not in result.err + result.out

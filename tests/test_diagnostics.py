@@ -1,0 +1,94 @@
+"""mixprec.diagnostics: the recorder's module paths, source lines, dtypes and casts, against native autocast."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mixprec
+from mixprec.diagnostics import CastCounter, Recorder, diagnose
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.relu(self.inner(x)) * 2  # the recorded line
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), Block())
+
+
+def test_module_paths_are_named_modules():
+    model, x = _model(), torch.randn(2, 4)
+    with Recorder(model) as rec, mixprec.autocast("cpu"):
+        model(x)
+    names = dict(model.named_modules())
+    assert [r.module for r in rec.records] == ["0", "1.inner", "1", "1"]
+    assert all(r.module in names for r in rec.records)
+
+
+def test_source_is_the_users_line():
+    model, x = _model(), torch.randn(2, 4)
+    with Recorder(model) as rec, mixprec.autocast("cpu"):
+        model(x)
+    lines, start = inspect.getsourcelines(Block.forward)
+    line = start + next(i for i, text in enumerate(lines) if "the recorded line" in text)
+    assert [r.source for r in rec.records[1:]] == [f"{__file__}:{line}"] * 3
+
+
+def test_dtypes_and_casts_match_native():
+    model, x = _model(), torch.randn(2, 4)
+    with Recorder(model) as rec, mixprec.autocast("cpu"):
+        model(x)
+    native = []
+    hooks = [m.register_forward_hook(lambda m, i, o: native.append(o.dtype)) for m in model.modules()]
+    with torch.autocast("cpu"):
+        model(torch.randn(2, 4))
+    for h in hooks:
+        h.remove()
+    assert rec.records[0].output_dtypes == [str(native[0]).removeprefix("torch.")]
+    assert [r.casts for r in rec.records] == [3, 2, 0, 0]  # input, weight, bias; then weight, bias
+
+
+class _CountToCopy(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._to_copy.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_cast_counter_matches_native_to_copy():
+    model, x = _model(), torch.randn(2, 4)
+    with CastCounter() as ours, mixprec.autocast("cpu", dtype=torch.float16):
+        model(x)
+    with _CountToCopy() as native, torch.autocast("cpu", dtype=torch.float16):
+        model(x)
+    assert ours.casts == native.count == 5
+
+
+def test_diagnose_healthy_model_has_small_errors():
+    model = _model()
+    diagnosis = diagnose((model, (torch.randn(8, 4),), lambda out: out.float().sum()), "cpu", torch.bfloat16)
+    assert diagnosis.first is None and diagnosis.suggestion is None
+    forward = [r for r in diagnosis.rows if r.phase == "forward"]
+    assert all(r.max_rel_error is not None and r.max_rel_error < 2e-2 for r in forward)
+    grads = {r.op for r in diagnosis.rows if r.phase == "backward"}
+    assert grads == {f"grad of {n}" for n, _ in model.named_parameters()}
+
+
+def test_dropout_masks_match_between_runs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4)).train()
+    diagnosis = diagnose((model, (torch.randn(8, 16),), None), "cpu", torch.bfloat16)
+    assert all(r.max_rel_error is not None and r.max_rel_error < 2e-2 for r in diagnosis.rows)

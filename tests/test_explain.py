@@ -1,0 +1,189 @@
+"""mixprec.explain: its category and dtype agree with what ops produce, under mixprec and native torch."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import mixprec
+
+CPU, CUDA = mixprec.policies.CPU, mixprec.policies.CUDA
+bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+
+
+@torch.library.custom_op("mixprec_explain::mm", mutates_args=())
+def custom_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, b)
+
+
+def _t(dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    return torch.randn(*(shape or (3, 3))).to(dtype)
+
+
+#: id -> (the op as explain is asked, a call, input dtypes)
+CALLS = {
+    "mm": (torch.mm, lambda a, b: torch.mm(a, b), 2),
+    "aten-mm-overload": (torch.ops.aten.mm.default, lambda a, b: torch.ops.aten.mm.default(a, b), 2),
+    "softmax": ("softmax", lambda a: torch.softmax(a, -1), 1),
+    "F.softmax": (F.softmax, lambda a: F.softmax(a, -1), 1),
+    "softmax-overload": (torch.ops.aten.softmax.int, lambda a: torch.ops.aten.softmax.int(a, -1), 1),
+    "sum": (torch.sum, lambda a: torch.sum(a), 1),
+    "exp": ("exp", lambda a: torch.exp(a), 1),
+    "prod": (torch.prod, lambda a: torch.prod(a), 1),
+    "cat": (torch.cat, lambda a, b: torch.cat([a, b]), 2),
+    "stack": ("stack", lambda a, b: torch.stack([a, b]), 2),
+    "linalg_inv": (torch.linalg.inv, lambda a: torch.linalg.inv(a + 3 * torch.eye(3, dtype=a.dtype)), 1),
+    "add": (torch.add, lambda a, b: torch.add(a, b), 2),
+    "custom": (custom_mm, lambda a, b: custom_mm(a, b), 2),
+}
+
+INPUTS = {
+    "fp32": (f32, f32),
+    "bf16": (bf16, bf16),
+    "fp16": (f16, f16),
+    "fp64": (f64, f64),
+    "bf16+fp32": (bf16, f32),
+    "fp32+bf16": (f32, bf16),
+}
+
+POLICIES = {
+    "CPU": CPU,
+    "CUDA": CUDA,
+    "edited": CPU.with_ops(
+        fp32=[torch.mm],
+        promote=["exp", custom_mm],
+        lower_precision_fp=[torch.ops.aten.softmax.int],
+        fp32_set_opt_dtype=["sum"],
+    ).without_ops(["cat", "prod"]),
+}
+
+
+def _actual(region, call, dtypes):
+    args = [_t(d) for d in dtypes]
+    with region:
+        try:
+            return call(*args).dtype
+        except RuntimeError:
+            return None
+
+
+@pytest.mark.parametrize("autocast_dtype", [bf16, f16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("inputs", INPUTS.values(), ids=INPUTS.keys())
+@pytest.mark.parametrize(("op", "call", "arity"), CALLS.values(), ids=CALLS.keys())
+@pytest.mark.parametrize("policy", POLICIES.values(), ids=POLICIES.keys())
+def test_explained_dtype_is_the_dtype_produced(policy, op, call, arity, inputs, autocast_dtype):
+    dtypes = inputs[:arity]
+    why = mixprec.explain(op, "cpu", policy, dtype=autocast_dtype, input_dtypes=dtypes)
+    got = _actual(mixprec.autocast("cpu", dtype=autocast_dtype, policy=policy), call, dtypes)
+    if why.note is not None:  # an unlisted custom op: its kernel's mm decides, as natively
+        assert why.category is None and why.runs_in is None and why.raises is None
+        assert got is _actual(mixprec.autocast("cpu", dtype=autocast_dtype, policy=policy), torch.mm, dtypes), why
+    elif why.raises is not None:
+        assert got is None, why
+    elif got is None:  # the kernel refuses the inputs autocast gives it (mm of two dtypes, inv of bfloat16)
+        assert _actual(contextlib.nullcontext(), call, why.cast_inputs) is None, why
+    else:
+        assert why.runs_in is got, why
+    if policy is CPU:
+        native = _actual(torch.autocast("cpu", dtype=autocast_dtype), call, dtypes)
+        assert native is got, "mixprec and native CPU autocast disagree"
+
+
+def test_explain_reads_the_policy_and_dtype_in_force():
+    edited = CPU.with_ops(fp32="mm")
+    assert mixprec.explain("mm").runs_in is bf16
+    with mixprec.autocast("cpu", dtype=f16, policy=edited):
+        why = mixprec.explain("mm")
+    assert (why.category, why.dtype, why.runs_in) == ("fp32", f16, f32)
+    seen = []
+
+    class Asks(torch.nn.Module):
+        def forward(self, x):
+            seen.append(mixprec.explain(torch.mm).source)
+            return x
+
+    module = torch.nn.Sequential(Asks())
+    with mixprec.set_module_policy(module, edited), mixprec.autocast("cpu"):
+        module(torch.randn(2, 2))
+        seen.append(mixprec.explain(torch.mm).source)
+    assert seen == ["user change (was lower_precision_fp in CPU)", "default table CPU"]
+
+
+@pytest.mark.parametrize(
+    ("policy", "op", "source"),
+    [
+        (CPU, "mm", "default table CPU"),
+        (CUDA, torch.softmax, "default table CUDA"),
+        (mixprec.policies.CPU_DOCUMENTED, "gelu", "documented table CPU_DOCUMENTED"),
+        (mixprec.policies.XPU, "mm", "documented table XPU"),
+        (CPU, "add", "default table CPU does not list it"),
+        (CPU.with_ops(fp32="mm"), "mm", "user change (was lower_precision_fp in CPU)"),
+        (CPU.with_ops(fp32="softmax"), torch.softmax, "user change (was unlisted in CPU)"),
+        (CPU.without_ops("cat"), "cat", "user change (was promote in CPU)"),
+        (CPU.with_ops(fp32=custom_mm), torch.ops.mixprec_explain.mm.default, "user change (was unlisted in CPU)"),
+        (mixprec.Policy.from_dict({"name": "mine", "ops": {"fp32": ["mm"]}}), "mm", "table of policy mine"),
+        (mixprec.Policy.from_dict({"name": "mine"}), "mm", "table of policy mine does not list it"),
+    ],
+    ids=["default", "default-callable", "documented", "xpu", "unlisted", "moved", "added", "removed", "custom",
+         "no-base", "no-base-unlisted"],
+)
+def test_provenance(policy, op, source):
+    assert mixprec.explain(op, policy=policy).source == source
+
+
+def test_overload_is_decided_by_its_op_unless_listed_itself():
+    why = mixprec.explain(torch.ops.aten.mm.default)
+    assert (why.op, why.entry, why.category) == ("aten::mm.default", "mm", "lower_precision_fp")
+    why = mixprec.explain(torch.ops.aten.mm.default, policy=CPU.with_ops(fp32=[torch.ops.aten.mm.default]))
+    assert (why.entry, why.category, why.runs_in) == ("aten::mm.default", "fp32", f32)
+
+
+def test_banned_explains_the_error():
+    why = mixprec.explain(F.binary_cross_entropy, "cpu", CUDA)
+    assert why.runs_in is None and "BCEWithLogitsLoss" in why.raises and "with_ops(fp32=" in why.raises
+    assert mixprec.explain(F.binary_cross_entropy, "cpu", CUDA, input_dtypes=(f64, f64)).runs_in is f64
+
+
+def test_str_reads_as_a_sentence():
+    text = str(mixprec.explain(torch.softmax, "cpu", CUDA, input_dtypes=(bf16,)))
+    assert text == (
+        "softmax under cpu autocast to bfloat16, policy CUDA: fp32_set_opt_dtype "
+        "(entry 'softmax', default table CUDA). With inputs (bfloat16) it runs in float32."
+    )
+    assert "unlisted (default table CPU does not list it)" in str(mixprec.explain("add"))
+    assert str(mixprec.explain("binary_cross_entropy", policy=CUDA)).count("..") == 0
+
+
+def test_unlisted_custom_op_is_explained_as_its_kernels_business():
+    text = str(mixprec.explain(custom_mm, input_dtypes=(f32, f32)))
+    assert "runs as its kernel decides: an unlisted custom op runs its kernel with autocast on" in text
+    assert "Policy.with_ops" in text
+    assert mixprec.explain(custom_mm, policy=CPU.with_ops(fp32=custom_mm), input_dtypes=(bf16, bf16)).runs_in is f32
+
+
+def test_explanation_is_a_frozen_dataclass():
+    why = mixprec.explain("mm")
+    assert isinstance(why, mixprec.Explanation)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        why.category = "fp32"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "pattern"),
+    [
+        ({"op": "mmm"}, ValueError, r"op='mmm'.*Did you mean one of: mm"),
+        ({"op": "mm", "device_type": "tpu"}, ValueError, r"device_type='tpu'.*Expected one of"),
+        ({"op": "mm", "policy": "CPU"}, TypeError, r"policy='CPU'"),
+        ({"op": "mm", "dtype": "bfloat16"}, TypeError, r"dtype='bfloat16'"),
+        ({"op": "mm", "input_dtypes": ()}, TypeError, r"input_dtypes=\(\).*non-empty tuple of torch.dtype"),
+        ({"op": "mm", "input_dtypes": ("float32",)}, TypeError, r"input_dtypes=\('float32',\)"),
+    ],
+    ids=["op", "device", "policy", "dtype", "no-inputs", "str-inputs"],
+)
+def test_bad_input(kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        mixprec.explain(**kwargs)
