@@ -1,5 +1,8 @@
 """The cast cache: reuse within a region, cleared at the outermost exit, never
-used under no_grad, invalidated by in-place updates, never keeping weights alive."""
+used under no_grad, invalidated by in-place updates, never keeping weights alive.
+
+Regions run with ``compute="native"``: the casts counted are those native autocast makes.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ class CountCasts(TorchDispatchMode):
 
 
 def casts_of(fn, *, cache_enabled=True):
-    with CountCasts() as counter, mixprec.autocast("cpu", cache_enabled=cache_enabled):
+    with CountCasts() as counter, mixprec.autocast("cpu", cache_enabled=cache_enabled, compute="native"):
         fn()
     return counter.casts
 
@@ -55,7 +58,7 @@ def test_cache_disabled_casts_every_time():
 
 
 def test_cached_cast_reused_by_identity():
-    with mixprec.autocast("cpu"):
+    with mixprec.autocast("cpu", compute="native"):
         first = torch.mm(X, W)
         second = torch.mm(X, W)
     assert torch.equal(first, second)
@@ -64,7 +67,7 @@ def test_cached_cast_reused_by_identity():
 
 def test_cache_cleared_when_outermost_region_exits():
     def run():
-        with mixprec.autocast("cpu"):
+        with mixprec.autocast("cpu", compute="native"):
             torch.mm(X, W)
 
     with CountCasts() as counter:
@@ -75,11 +78,11 @@ def test_cache_cleared_when_outermost_region_exits():
 
 
 def test_cache_lives_across_nested_regions():
-    with CountCasts() as counter, mixprec.autocast("cpu"):
+    with CountCasts() as counter, mixprec.autocast("cpu", compute="native"):
         torch.mm(X, W)
-        with mixprec.autocast("cpu", enabled=False):
+        with mixprec.autocast("cpu", enabled=False, compute="native"):
             pass
-        with mixprec.autocast("cpu"):
+        with mixprec.autocast("cpu", compute="native"):
             torch.mm(X, W)
     assert counter.casts == 3
 
@@ -87,7 +90,7 @@ def test_cache_lives_across_nested_regions():
 def test_no_cache_under_no_grad():
     # A cast made under no_grad has no autograd history; reusing it later with
     # grad enabled would silently cut the weight out of the graph.
-    with mixprec.autocast("cpu"):
+    with mixprec.autocast("cpu", compute="native"):
         with torch.no_grad():
             torch.mm(X, W)
         out = torch.mm(X, W)
@@ -98,7 +101,7 @@ def test_no_cache_under_no_grad():
 
 def test_in_place_update_forces_new_cast():
     w = torch.nn.Parameter(torch.randn(4, 4))
-    with mixprec.autocast("cpu"):
+    with mixprec.autocast("cpu", compute="native"):
         before = torch.mm(X, w)
         with torch.no_grad():
             w.mul_(2)
@@ -110,7 +113,7 @@ def test_in_place_update_forces_new_cast():
 
 def test_only_leaf_fp32_tensors_that_require_grad_are_cached():
     not_leaf = W * 1
-    with CountCasts() as counter, mixprec.autocast("cpu"):
+    with CountCasts() as counter, mixprec.autocast("cpu", compute="native"):
         torch.mm(not_leaf, not_leaf)
         torch.mm(not_leaf, not_leaf)
     assert counter.casts == 4
@@ -120,7 +123,7 @@ def test_only_leaf_fp32_tensors_that_require_grad_are_cached():
 def test_cache_keeps_no_weight_alive_after_region():
     layer = torch.nn.Linear(4, 4)
     ref = weakref.ref(layer.weight)
-    with mixprec.autocast("cpu"):
+    with mixprec.autocast("cpu", compute="native"):
         layer(X).float().sum().backward()
     del layer
     gc.collect()
@@ -128,7 +131,7 @@ def test_cache_keeps_no_weight_alive_after_region():
 
 
 def test_cache_does_not_hold_weights_strongly_in_region():
-    with mixprec.autocast("cpu"):
+    with mixprec.autocast("cpu", compute="native"):
         layer = torch.nn.Linear(4, 4)
         with torch.no_grad():
             pass
@@ -139,8 +142,8 @@ def test_cache_does_not_hold_weights_strongly_in_region():
 
 
 def test_fp16_then_bf16_in_nested_regions_do_not_share_entries():
-    with mixprec.autocast("cpu", dtype=torch.bfloat16):
+    with mixprec.autocast("cpu", dtype=torch.bfloat16, compute="native"):
         assert torch.mm(X, W).dtype is torch.bfloat16
-        with mixprec.autocast("cpu", dtype=torch.float16):
+        with mixprec.autocast("cpu", dtype=torch.float16, compute="native"):
             assert torch.mm(X, W).dtype is torch.float16
         assert torch.mm(X, W).dtype is torch.bfloat16

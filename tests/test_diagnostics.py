@@ -28,7 +28,7 @@ def _model():
 
 def test_module_paths_are_named_modules():
     model, x = _model(), torch.randn(2, 4)
-    with Recorder(model) as rec, mixprec.autocast("cpu"):
+    with Recorder(model) as rec, mixprec.autocast("cpu", compute="native"):
         model(x)
     names = dict(model.named_modules())
     assert [r.module for r in rec.records] == ["0", "1.inner", "1", "1"]
@@ -37,7 +37,7 @@ def test_module_paths_are_named_modules():
 
 def test_source_is_the_users_line():
     model, x = _model(), torch.randn(2, 4)
-    with Recorder(model) as rec, mixprec.autocast("cpu"):
+    with Recorder(model) as rec, mixprec.autocast("cpu", compute="native"):
         model(x)
     lines, start = inspect.getsourcelines(Block.forward)
     line = start + next(i for i, text in enumerate(lines) if "the recorded line" in text)
@@ -46,7 +46,7 @@ def test_source_is_the_users_line():
 
 def test_dtypes_and_casts_match_native():
     model, x = _model(), torch.randn(2, 4)
-    with Recorder(model) as rec, mixprec.autocast("cpu"):
+    with Recorder(model) as rec, mixprec.autocast("cpu", compute="native"):
         model(x)
     native = []
     hooks = [m.register_forward_hook(lambda m, i, o: native.append(o.dtype)) for m in model.modules()]
@@ -70,7 +70,7 @@ class _CountToCopy(TorchDispatchMode):
 
 def test_cast_counter_matches_native_to_copy():
     model, x = _model(), torch.randn(2, 4)
-    with CastCounter() as ours, mixprec.autocast("cpu", dtype=torch.float16):
+    with CastCounter() as ours, mixprec.autocast("cpu", dtype=torch.float16, compute="native"):
         model(x)
     with _CountToCopy() as native, torch.autocast("cpu", dtype=torch.float16):
         model(x)

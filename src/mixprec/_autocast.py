@@ -91,7 +91,9 @@ class autocast:  # noqa: N801 - torch's name
             cached = self._setting
             if cached is None:  # made on first entry, then reused
                 policy = self._policy if self._policy is not None else _default_policy(device)
-                cached = _state.DeviceSetting(self._enabled, self.fast_dtype, policy, self._cache_enabled, self._emulate)
+                cached = _state.DeviceSetting(
+                    self._enabled, self.fast_dtype, policy, self._cache_enabled, self._emulate
+                )
                 self._setting = cached
             setting = cached
         enter(state, {device: setting})

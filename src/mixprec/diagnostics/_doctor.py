@@ -22,7 +22,15 @@ import torch
 
 import mixprec
 from mixprec import _devices
-from mixprec.diagnostics._compare import OpReport, Target, compare, first_nonfinite, module_source, run_once
+from mixprec.diagnostics._compare import (
+    OpReport,
+    Target,
+    autocast_region,
+    compare,
+    first_nonfinite,
+    module_source,
+    run_once,
+)
 
 SCHEMA = "mixprec.doctor/1"
 
@@ -116,7 +124,7 @@ def diagnose(target: Target, device: str, dtype: torch.dtype, policy: mixprec.Po
     model = target[0]
 
     def region() -> mixprec.autocast:
-        return mixprec.autocast(device, dtype=dtype, policy=policy)
+        return autocast_region(device, dtype, policy)
 
     reference = run_once(target, contextlib.nullcontext())
     amp = run_once(target, region())
