@@ -325,3 +325,109 @@ def test_argument_error_inside_compiled_region_names_the_user_line():
     with pytest.raises(RuntimeError, match="autocast argument 'enabled' has the wrong type") as info:
         _compile(_bad_argument)(X)
     assert f'{__file__}", line {line}' in str(info.value)
+
+
+# set_module_policy, custom-op categories and emulated compute under torch.compile
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.second = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        a = self.first(x)
+        return a, self.second(a)
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+@pytest.mark.parametrize("setting", ["fp32", "policy"])
+def test_module_policy_under_compile_gives_the_eager_dtypes(where, setting):
+    torch.manual_seed(0)
+    block = _Block()
+    # "fp32": the module runs in float32; a policy that moves linear to fp32 does the same by its table.
+    policy = "fp32" if setting == "fp32" else mixprec.policies.CPU.with_ops(fp32=["linear"])
+    handle = mixprec.set_module_policy(block.second, policy)
+
+    def inside(x):
+        with mixprec.autocast("cpu"):
+            return block(x)
+
+    counter = CompileCounter()
+    if where == "inside":
+        eager, compiled = inside(X), _compile(inside, counter)(X)
+    else:  # inductor: debug backends re-run the graph op by op under the eager region (docs/graph_modes.md)
+        compiled_block = _compile(block, "inductor")
+        with mixprec.autocast("cpu"):
+            eager, compiled = block(X), compiled_block(X)
+    assert _dtypes(eager) == [BF16, torch.float32]
+    assert _dtypes(compiled) == _dtypes(eager)
+    for c, e in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+    assert counter.frame_count == (1 if where == "inside" else 0)  # one graph, no break (inductor: not counted)
+    handle.remove()
+
+
+def test_module_policy_removed_after_compiling_is_seen_by_the_guards():
+    block = _Block()
+    handle = mixprec.set_module_policy(block.second, "fp32")
+    compiled = _compile(block, "inductor")
+    with mixprec.autocast("cpu"):
+        assert _dtypes(compiled(X)) == [BF16, torch.float32]
+        handle.remove()
+        assert _dtypes(compiled(X)) == [BF16, BF16]
+
+
+@torch.library.custom_op("mixprec_test_compile::scaled", mutates_args=())
+def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w * 0.5
+
+
+@_scaled.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@pytest.mark.parametrize(
+    ("category", "expected"), [("lower_precision_fp", BF16), ("fp32", torch.float32)], ids=["lower", "fp32"]
+)
+@pytest.mark.parametrize("spelling", ["object", "packet", "name"])
+def test_custom_op_category_under_compile(category, expected, spelling):
+    op = {"object": _scaled, "packet": torch.ops.mixprec_test_compile.scaled, "name": "mixprec_test_compile::scaled"}
+    policy = mixprec.policies.CPU.with_ops(**{category: [op[spelling]]})
+    w = torch.randn(8, 8)
+    given = X.to(BF16) if category == "fp32" else X  # fp32 must cast a bf16 input up
+
+    def run(x):
+        with mixprec.autocast("cpu", policy=policy):
+            return _scaled(x, w)
+
+    counter = CompileCounter()
+    eager, compiled = run(given), _compile(run, counter)(given)
+    assert eager.dtype is expected and compiled.dtype is expected
+    assert torch.equal(compiled, eager)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+def test_emulated_compute_under_inductor(dtype):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+
+    def run(x):
+        with mixprec.autocast("cpu", dtype=dtype, compute="emulated"):
+            return torch.relu(lin(x))
+
+    x = torch.randn(16, 64)
+    x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager = run(x_eager)
+    compiled = _compile(run, "inductor")(x_compiled)
+    assert eager.dtype is dtype and compiled.dtype is dtype
+    # Both round the same float32 products once: equal up to float32 accumulation order.
+    tolerance = {BF16: 1e-2, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(compiled.float(), eager.float(), atol=tolerance, rtol=tolerance)
+    eager.float().sum().backward()
+    compiled.float().sum().backward()
+    assert x_compiled.grad.dtype is torch.float32
+    torch.testing.assert_close(x_compiled.grad, x_eager.grad, atol=tolerance, rtol=tolerance)
