@@ -105,10 +105,19 @@ class autocast:  # noqa: N801 - torch's name
     def __call__(self, func: F) -> F:
         @functools.wraps(func)
         def decorate_autocast(*args: Any, **kwargs: Any) -> Any:
-            with self:
+            with self._fresh():
                 return func(*args, **kwargs)
 
         return decorate_autocast  # type: ignore[return-value]
+
+    def _fresh(self) -> autocast:
+        """A new region with these settings, checked already: torch.compile enters only
+        context managers made inside the compiled code, and a decorator's instance is not."""
+        region = autocast.__new__(autocast)
+        region.device, region.fast_dtype, region._cache_enabled = self.device, self.fast_dtype, self._cache_enabled
+        region._policy, region._enabled, region._emulate = self._policy, self._enabled, self._emulate
+        region._setting = self._setting
+        return region
 
     def __repr__(self) -> str:
         return (
@@ -184,7 +193,18 @@ def _usable(spec: _devices.DeviceSpec, dtype: torch.dtype) -> bool:
 
 
 def _refresh(state: _state.ThreadState) -> None:
-    state.contexts = tuple(_context(device, s) for device, s in state.devices.items() if s.enabled)
+    if torch.compiler.is_compiling():
+        state.contexts = tuple(_traced_context(device, s) for device, s in state.devices.items() if s.enabled)
+    else:
+        state.contexts = tuple(_context(device, s) for device, s in state.devices.items() if s.enabled)
+
+
+def _traced_context(device: str, setting: _state.DeviceSetting) -> _state.Context:
+    """``_context`` inside a torch.compile trace: the compiled policy comes from a shelf."""
+    compiled = _mode.traced_policy(setting.policy)
+    return _state.Context(
+        device, setting.dtype, setting.policy, compiled.rules, setting.cache_enabled, compiled, setting.emulate
+    )
 
 
 _contexts: dict[tuple[str, torch.dtype, int, bool, bool], _state.Context] = {}

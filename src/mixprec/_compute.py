@@ -203,8 +203,13 @@ def check_compute(compute: object) -> str:
     return compute
 
 
+@torch._dynamo.assume_constant_result
 def emulates(compute: str, device_type: str, dtype: torch.dtype) -> bool:
-    """Whether a region with these settings emulates its lower_precision_fp ops."""
+    """Whether a region with these settings emulates its lower_precision_fp ops.
+
+    Computed eagerly under torch.compile (a constant in the trace): it reads
+    /proc/cpuinfo and the environment once per process.
+    """
     if compute == "auto":
         return not kernel_support(device_type, dtype).native
     return compute == "emulated"

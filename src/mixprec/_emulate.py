@@ -37,6 +37,11 @@ copy of the whole output, weight or output gradient is ever made.
 
 An op whose floating inputs are not all in the autocast dtype after casting
 (float64 ones, or another low-precision dtype) runs as native autocast runs it.
+
+Under torch.compile and torch.export the op is traced as the three steps of the
+forward above (upcast, float32 op, rounding) and autograd differentiates them;
+the custom autograd Functions are eager only. The graph's partitioner saves the
+low-precision inputs and recomputes their upcast in backward.
 """
 
 from __future__ import annotations
@@ -235,6 +240,8 @@ def call(
         args, kwargs: The call's arguments, cast to ``low`` by the autocast rule.
         original: The arguments before that cast, to find the parameters the casts came from.
     """
+    if torch.compiler.is_compiling():
+        return _traced(low, func, args, kwargs)
     found = _emulate_kernels.explicit(func, args, kwargs)
     if found is None:
         return _generic(low, func, (args, kwargs), original)
@@ -246,3 +253,12 @@ def call(
     bound = _emulate_kernels.explicit(func, *original)
     sources = _sources(tensors, bound[2]) if bound is not None else (None,) * len(tensors)
     return _Explicit.apply(kernel, params, low, sources, *tensors)
+
+
+def _traced(low: torch.dtype, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The emulated op as a trace sees it: upcast, the float32 op, one rounding per output."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    if not _all_low(iter(leaves), low):
+        return func(*args, **kwargs)
+    args, kwargs = pytree.tree_map(lambda v: up(v, low), (args, kwargs))
+    return pytree.tree_map(lambda v: down(v, low), func(*args, **kwargs))

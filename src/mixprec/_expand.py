@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _ports
+from mixprec import _ports, _shelf
 
 _GATES = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
@@ -106,8 +106,33 @@ def _make_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
     return twin
 
 
+def _make_traceable_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    """A twin for torch.compile: its globals are a plain copy (dynamo ignores ``__missing__``).
+
+    The copy is taken when the twin is first made, so a global of the composite's
+    module patched later is not seen by traces (the eager twin reads it live).
+    Ports are plain functions and trace as they are. Wrappers without a gate need
+    no twin in a trace: dynamo inlines them, and the gated functions they call reach
+    the mode themselves. Custom ops get none (see ``mixprec._mode._traced``).
+    """
+    port = _ports.ports().get(func)
+    if port is not None:
+        return port
+    if not isinstance(func, types.FunctionType):
+        return None
+    code = func.__code__
+    if not any(gate in code.co_names for gate in _GATES) or "super" in code.co_names:
+        return None  # no gate, or super(), which dynamo cannot trace outside its class
+    scope = {**func.__globals__, **{gate: _never for gate in _GATES}}
+    traceable = types.FunctionType(code, scope, func.__name__, func.__defaults__, func.__closure__)
+    traceable.__kwdefaults__ = func.__kwdefaults__
+    if torch._dynamo.trace_rules.check_file(code.co_filename, True).skipped:  # torch.functional.norm
+        return torch._dynamo.dont_skip_tracing(traceable)  # type: ignore[no-any-return]
+    return traceable
+
+
 def twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
-    """The gate-free twin of a Python composite, or None if it has no gate."""
+    """The gate-free twin of a Python composite, or None if it has no gate (eager mode)."""
     try:
         return _twins[func]
     except KeyError:
@@ -115,3 +140,11 @@ def twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
         return made
     except TypeError:  # unhashable callable
         return None
+
+
+def traced_twin(func: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The twin of ``func`` inside a torch.compile trace (built eagerly, once per callable)."""
+    return _shelf.fetch(_shelved, func, _make_traceable_twin)
+
+
+_shelved = _shelf.Shelf()

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from mixprec import _cast, _emulate, _expand, _reach
+from mixprec import _cast, _compile, _emulate, _expand, _reach, _shelf, _state
 from mixprec._state import Context, ThreadState
 from mixprec.policies import Category, Policy
 
 _float32 = torch.float32
+_is_compiling = torch.compiler.is_compiling
 _Tensor = torch.Tensor
 
 _dtype = torch.dtype
@@ -50,7 +51,9 @@ def _cast_to(to_lower: bool) -> Rule:
         if kwargs and (kwargs.get("out") is not None or kwargs.get("dtype") is not None):
             return func(*args, **kwargs)
         dtype, device = (ctx.dtype, ctx.device_type) if to_lower else (_float32, ctx.device_type)
-        cache = state.cache if to_lower and ctx.cache_enabled and torch.is_grad_enabled() else None
+        # No cache under torch.compile: a graph computes each cast once anyway, and weakrefs cannot be traced.
+        use_cache = to_lower and ctx.cache_enabled and torch.is_grad_enabled() and not _is_compiling()
+        cache = state.cache if use_cache else None
         cast = _cast.cast_args(args, dtype, device, cache)
         if cast is None:  # an explicit dtype among the positional arguments
             return func(*args, **kwargs)
@@ -68,9 +71,14 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return kwargs.get("input", kwargs.get("self"))
 
 
-@functools.cache
+@torch._dynamo.assume_constant_result
 def _dtype_position(func: Callable[..., Any]) -> int | None:
     """Where a builtin takes ``dtype`` positionally (``softmax(input, dim, dtype)``), from its ATen schemas."""
+    return _schema_dtype_position(func)
+
+
+@functools.cache
+def _schema_dtype_position(func: Callable[..., Any]) -> int | None:
     name = getattr(func, "__name__", "")
     packet = getattr(torch.ops.aten, name, None) if name and not name.startswith("__") else None
     if packet is None:
@@ -191,6 +199,7 @@ class Compiled:
 
 
 _compiled: dict[int, tuple[Policy, Compiled]] = {}
+_shelved = _shelf.Shelf(limit=256)
 
 
 def compile_policy(policy: Policy) -> Compiled:
@@ -204,11 +213,17 @@ def compile_policy(policy: Policy) -> Compiled:
             rules[func] = _banned(policy.advice(policy._banned_names[func]))
         else:
             rules[func] = _RULES[category]
+    _compile.register(policy._by_callable)
     compiled = Compiled(rules, _reach.policy_names(dict(policy.table), rules), {})
     if len(_compiled) > 256:
         _compiled.clear()
     _compiled[id(policy)] = (policy, compiled)
     return compiled
+
+
+def traced_policy(policy: Policy) -> Compiled:
+    """``compile_policy(policy)`` as torch.compile can trace it: built eagerly, read as a guarded attribute."""
+    return _shelf.fetch(_shelved, policy, compile_policy)  # type: ignore[no-any-return]
 
 
 def _touches(ctx: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -223,6 +238,8 @@ class AutocastMode(TorchFunctionMode):
         self._state = state
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if _is_compiling():
+            return _traced(self, func, types, args, kwargs or {})
         state = self._state
         contexts = state.contexts
         if kwargs is None:
@@ -267,6 +284,51 @@ class AutocastMode(TorchFunctionMode):
             if rule is not None and _touches(ctx, args, kwargs):
                 return rule, ctx
         return None, None
+
+
+def _traced(mode: AutocastMode, func: Func, types: Any, args: Args, kwargs: Kwargs) -> Any:
+    """The mode under torch.compile and torch.export: what the trace sees is constant.
+
+    The state is read through its global (dynamo tracks a region entered inside the
+    trace on that object, not on the mode's reference to it); the category of ``func``
+    and whether to expand it are computed eagerly (``assume_constant_result``), so the
+    graph guards on the policy object, not on every key of its rule table. Custom ops
+    that no policy lists run as one op, as under native autocast in a compiled graph.
+    """
+    state = _state.get()
+    contexts = state.contexts
+    if not contexts:
+        return func(*args, **kwargs)
+    for ctx in contexts:
+        rule = _traced_rule(ctx.policy, func)
+        if rule is not None and (len(contexts) == 1 or _touches(ctx, args, kwargs)):
+            return rule(ctx, state, func, args, kwargs)
+    expands = any(_compile.expands(ctx.policy, func) for ctx in contexts)
+    twin = _expand.traced_twin(func) if expands else None
+    if twin is None or (state.expanding and state.expanding[-1] is func):
+        return _compile.call(func, args, kwargs)
+    if any(t is not _Tensor for t in types):
+        return func(*args, **kwargs)  # a tensor subclass handles this composite itself
+    state.expanding.append(func)
+    torch._C._push_on_torch_function_stack(mode)
+    try:
+        return twin(*args, **kwargs)
+    finally:
+        torch._C._pop_torch_function_stack()
+        state.expanding.pop()
+
+
+_RULES_BY_NAME = {category.value: rule for category, rule in _RULES.items()}
+
+
+def _traced_rule(policy: Policy, func: Func) -> Rule | None:
+    """The rule for ``func`` under torch.compile, from a constant category."""
+    category = _compile.category(policy, func)
+    if category is None:
+        return None
+    if category == "banned":
+        return _banned(_compile.advice(policy, func))
+    return _RULES_BY_NAME[category]
 
 
 def push(mode: AutocastMode) -> None:

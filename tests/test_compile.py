@@ -1,0 +1,433 @@
+"""mixprec.autocast under torch.compile: no graph break, eager dtypes, guarded state, seed 004's limitations lifted.
+
+Dynamo is where mixprec's rules run under torch.compile, so most cases compile with a
+counting eager backend (fast); the inductor cases check the values end to end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import mixprec
+
+torch.manual_seed(0)
+LIN = torch.nn.Linear(8, 8)
+X = torch.randn(4, 8)
+BF16 = torch.bfloat16
+
+
+def _dtypes(outputs):
+    return [o.dtype for o in outputs]
+
+
+def _compile(fn, backend="eager"):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, backend=backend)
+
+
+def _region_model(x):
+    with mixprec.autocast("cpu"):
+        y = LIN(x)
+        return y, torch.softmax(y, -1), torch.nn.functional.layer_norm(y, (8,)), x + 1
+
+
+def _plain_model(x):
+    y = LIN(x)
+    return y, torch.softmax(y, -1), torch.nn.functional.layer_norm(y, (8,))
+
+
+@pytest.fixture(scope="module")
+def inductor_region():
+    torch._dynamo.reset()
+    return torch.compile(_region_model, fullgraph=True)
+
+
+@pytest.fixture(scope="module")
+def inductor_plain():
+    torch._dynamo.reset()
+    return torch.compile(_plain_model, fullgraph=True)
+
+
+def test_inductor_region_inside_gives_eager_dtypes_and_values(inductor_region):
+    eager = _region_model(X)
+    compiled = inductor_region(X)
+    assert _dtypes(compiled) == _dtypes(eager)
+    assert eager[0].dtype is BF16 and eager[-1].dtype is torch.float32
+    for c, e in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+
+
+def test_inductor_region_outside_then_float32_again(inductor_plain):
+    with mixprec.autocast("cpu"):
+        eager = _plain_model(X)
+        inside = inductor_plain(X)
+    assert _dtypes(inside) == _dtypes(eager)
+    for c, e in zip(inside, eager, strict=True):
+        torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+    assert _dtypes(inductor_plain(X)) == [torch.float32] * 3
+
+
+def test_region_inside_compiles_to_one_graph():
+    counter = CompileCounter()
+    compiled = _compile(_region_model, counter)
+    assert _dtypes(compiled(X)) == _dtypes(_region_model(X))
+    compiled(X)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    ("region", "expected"),
+    [
+        (lambda: mixprec.autocast("cpu"), BF16),
+        (lambda: mixprec.autocast("cpu", dtype=torch.float16), torch.float16),
+        (lambda: mixprec.autocast("cpu", enabled=False), torch.float32),
+        (lambda: mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA), torch.float16),
+    ],
+    ids=["bf16", "fp16", "disabled", "cuda-policy"],
+)
+def test_guards_follow_the_state_outside(region, expected):
+    counter = CompileCounter()
+    compiled = _compile(lambda x: LIN(x), counter)
+    assert compiled(X).dtype is torch.float32
+    with region():
+        assert compiled(X).dtype is expected
+    assert compiled(X).dtype is torch.float32
+    assert counter.frame_count <= 2
+
+
+def test_guard_sees_a_disabled_subregion():
+    compiled = _compile(lambda x: LIN(x), CompileCounter())
+    with mixprec.autocast("cpu"):
+        assert compiled(X).dtype is BF16
+        with mixprec.autocast("cpu", enabled=False):
+            assert compiled(X).dtype is torch.float32
+        assert compiled(X).dtype is BF16
+
+
+def test_guard_sees_the_policy():
+    compiled = _compile(lambda x: torch.exp(x.half()), CompileCounter())
+    with mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA):
+        assert compiled(X).dtype is torch.float32  # exp is fp32 on CUDA
+    with mixprec.autocast("cpu", dtype=torch.float16):
+        assert compiled(X).dtype is torch.float16  # and unlisted on CPU
+
+
+def test_tables_and_twins_built_inside_the_trace():
+    # Two policies no region has used yet, and a composite (F.hardtanh, whose gate sends it
+    # to the mode) whose builtin only the first policy lists: all built during the trace.
+    fresh = mixprec.Policy.from_lists("fresh", {"lower_precision_fp": ["linear"], "fp32": ["hardtanh"]})
+    other = mixprec.Policy.from_lists("other", {"fp32": ["linear"]})
+
+    def fn(x):
+        with mixprec.autocast("cpu", policy=fresh):
+            b = LIN(x)
+            h = torch.nn.functional.hardtanh(b)
+        with mixprec.autocast("cpu", policy=other):
+            c = LIN(x.to(BF16))
+        return b, h, c
+
+    assert _dtypes(_compile(fn)(X)) == _dtypes(fn(X)) == [BF16, torch.float32, torch.float32]
+
+
+# Seed 004: autocast decorators.
+@mixprec.autocast("cpu")
+def _decorated_helper(x):
+    return LIN(x)
+
+
+def test_decorated_helper_called_from_compiled_code():
+    out = _compile(lambda x: (_decorated_helper(x), LIN(x)))(X)
+    assert _dtypes(out) == [BF16, torch.float32]
+
+
+def test_decorator_on_the_compiled_function():
+    compiled = _compile(mixprec.autocast("cpu")(lambda x: LIN(x)))
+    assert compiled(X).dtype is BF16
+    assert LIN(X).dtype is torch.float32
+
+
+# Seed 004: the enabled argument given by a runtime value.
+@pytest.mark.parametrize(("use_amp", "expected"), [(True, BF16), (False, torch.float32)], ids=["on", "off"])
+def test_enabled_from_a_runtime_value(use_amp, expected):
+    def fn(x, use_amp):
+        with mixprec.autocast("cpu", enabled=use_amp):
+            return LIN(x)
+
+    compiled = _compile(fn)
+    assert compiled(X, use_amp).dtype is expected
+    assert compiled(X, not use_amp).dtype is (torch.float32 if use_amp else BF16)
+
+
+# Seed 004: uncommon usage patterns.
+def test_instance_reused_and_bound_with_as():
+    def fn(x):
+        region = mixprec.autocast("cpu")
+        with region:
+            a = LIN(x)
+        b = LIN(x)
+        with region as again:
+            c = LIN(x)
+            with again:
+                d = LIN(x)
+        return a, b, c, d
+
+    assert _dtypes(_compile(fn)(X)) == [BF16, torch.float32, BF16, BF16]
+
+
+# Seed 004: promote decided from the real dtypes.
+def _graph_of(fn, *args):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    return out, graphs[0]
+
+
+_CAST_NAMES = ("to", "half", "float", "bfloat16")
+
+
+def _casts_in(gm):
+    return [n for n in gm.graph.nodes if n.op in ("call_method", "call_function") and str(n.target) in _CAST_NAMES]
+
+
+def test_promote_cat_of_two_bf16_stays_bf16_without_casts():
+    def fn(a, b):
+        with mixprec.autocast("cpu"):
+            return torch.cat([a, b])
+
+    out, gm = _graph_of(fn, X.to(BF16), X.to(BF16))
+    assert out.dtype is BF16
+    assert _casts_in(gm) == []
+
+
+def test_promote_to_float32_casts_only_the_narrow_input():
+    def fn(a, b):
+        with mixprec.autocast("cpu"):
+            return torch.cat([a, b])
+
+    out, gm = _graph_of(fn, X.to(BF16), X)
+    assert out.dtype is torch.float32
+    assert len(_casts_in(gm)) == 1
+
+
+# Seed 004: fp32_append_dtype (norm under the CUDA policy).
+def test_norm_under_cuda_policy_runs_in_float32():
+    def fn(x):
+        with mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA):
+            return torch.norm(x), x.norm(p=2)
+
+    x = X.half()
+    eager = fn(x)
+    compiled = _compile(fn)(x)
+    assert _dtypes(compiled) == _dtypes(eager) == [torch.float32, torch.float32]
+    torch.testing.assert_close(compiled, eager)
+
+
+# Seed 004: mixing tracing and compiled autocast.
+def _disabled_helper(a, b):
+    with mixprec.autocast("cpu", enabled=False):
+        return torch.mm(a, b) * 2.0
+
+
+def test_compiled_calling_traced_keeps_the_traced_disable():
+    traced = torch.jit.trace(_disabled_helper, (X, X.T))
+
+    def fn(a, b):
+        with mixprec.autocast("cpu"):
+            return traced(a, b), torch.mm(a, b)
+
+    assert _dtypes(_compile(fn)(X, X.T)) == [torch.float32, BF16]
+
+
+def test_compiled_calling_traced_keeps_the_traced_region():
+    def helper(a, b):
+        with mixprec.autocast("cpu"):
+            return torch.mm(a, b)
+
+    traced = torch.jit.trace(helper, (X, X.T))
+    assert _compile(lambda a, b: traced(a, b))(X, X.T).dtype is BF16
+
+
+def test_exported_code_calling_compiled_code_keeps_its_region():
+    inner = torch.compile(lambda a: LIN(a) + 1, fullgraph=True, backend="eager")
+
+    class Outer(torch.nn.Module):
+        def forward(self, x):
+            with mixprec.autocast("cpu"):
+                return inner(x)
+
+    torch._dynamo.reset()
+    program = torch.export.export(Outer(), (X,))
+    assert program.module()(X).dtype is BF16
+    assert "torch.bfloat16" in program.graph_module.code
+
+
+# Seed 004: disabling eager autocast from compiled code.
+CONV = torch.nn.Conv2d(3, 4, 3)
+
+
+def test_enabled_false_inside_compiled_code_really_disables():
+    def fn(x, image):
+        with mixprec.autocast("cpu", enabled=False):
+            q = x.view(1, 4, 8)
+            return LIN(x), CONV(image), torch.nn.functional.scaled_dot_product_attention(q, q, q)
+
+    # inductor: its extern kernels (addmm with out=, convolution, SDPA) stay in float32 even
+    # though the eager region's mode sees them at run time (README: "debug backends").
+    compiled = _compile(fn, "inductor")
+    image = torch.randn(1, 3, 8, 8)
+    with torch.no_grad(), mixprec.autocast("cpu"):
+        assert _dtypes(compiled(X, image)) == [torch.float32] * 3
+        assert LIN(X).dtype is BF16
+
+
+# Seed 004: diagnostics name the user's source line.
+def _bce(x, y):
+    with mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA):
+        return torch.nn.functional.binary_cross_entropy(x, y)  # the user's line
+
+
+def test_error_inside_compiled_region_names_the_user_line():
+    x = torch.rand(4)
+    line = _bce.__code__.co_firstlineno + 2
+    with pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits") as info:
+        _compile(_bce)(x, x)
+    assert f'{__file__}", line {line}' in str(info.value)
+
+
+def test_encoder_layer_composites_are_autocast_in_the_trace():
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=True)
+    x = torch.randn(2, 5, 16)
+
+    def fn(x):
+        with mixprec.autocast("cpu"):
+            return layer(x)
+
+    eager = fn(x)
+    compiled = _compile(fn)(x)
+    assert compiled.dtype is eager.dtype
+    torch.testing.assert_close(compiled, eager, atol=3e-2, rtol=3e-2)
+
+
+def _bad_argument(x):
+    with mixprec.autocast("cpu", enabled="yes"):  # the user's line
+        return x + 1
+
+
+def test_argument_error_inside_compiled_region_names_the_user_line():
+    line = _bad_argument.__code__.co_firstlineno + 1
+    with pytest.raises(RuntimeError, match="autocast argument 'enabled' has the wrong type") as info:
+        _compile(_bad_argument)(X)
+    assert f'{__file__}", line {line}' in str(info.value)
+
+
+# set_module_policy, custom-op categories and emulated compute under torch.compile
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.second = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        a = self.first(x)
+        return a, self.second(a)
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+@pytest.mark.parametrize("setting", ["fp32", "policy"])
+def test_module_policy_under_compile_gives_the_eager_dtypes(where, setting):
+    torch.manual_seed(0)
+    block = _Block()
+    # "fp32": the module runs in float32; a policy that moves linear to fp32 does the same by its table.
+    policy = "fp32" if setting == "fp32" else mixprec.policies.CPU.with_ops(fp32=["linear"])
+    handle = mixprec.set_module_policy(block.second, policy)
+
+    def inside(x):
+        with mixprec.autocast("cpu"):
+            return block(x)
+
+    counter = CompileCounter()
+    if where == "inside":
+        eager, compiled = inside(X), _compile(inside, counter)(X)
+    else:  # inductor: debug backends re-run the graph op by op under the eager region (docs/graph_modes.md)
+        compiled_block = _compile(block, "inductor")
+        with mixprec.autocast("cpu"):
+            eager, compiled = block(X), compiled_block(X)
+    assert _dtypes(eager) == [BF16, torch.float32]
+    assert _dtypes(compiled) == _dtypes(eager)
+    for c, e in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(c, e, atol=2e-2, rtol=2e-2)
+    assert counter.frame_count == (1 if where == "inside" else 0)  # one graph, no break (inductor: not counted)
+    handle.remove()
+
+
+def test_module_policy_removed_after_compiling_is_seen_by_the_guards():
+    block = _Block()
+    handle = mixprec.set_module_policy(block.second, "fp32")
+    compiled = _compile(block, "inductor")
+    with mixprec.autocast("cpu"):
+        assert _dtypes(compiled(X)) == [BF16, torch.float32]
+        handle.remove()
+        assert _dtypes(compiled(X)) == [BF16, BF16]
+
+
+@torch.library.custom_op("mixprec_test_compile::scaled", mutates_args=())
+def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w * 0.5
+
+
+@_scaled.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+@pytest.mark.parametrize(
+    ("category", "expected"), [("lower_precision_fp", BF16), ("fp32", torch.float32)], ids=["lower", "fp32"]
+)
+@pytest.mark.parametrize("spelling", ["object", "packet", "name"])
+def test_custom_op_category_under_compile(category, expected, spelling):
+    op = {"object": _scaled, "packet": torch.ops.mixprec_test_compile.scaled, "name": "mixprec_test_compile::scaled"}
+    policy = mixprec.policies.CPU.with_ops(**{category: [op[spelling]]})
+    w = torch.randn(8, 8)
+    given = X.to(BF16) if category == "fp32" else X  # fp32 must cast a bf16 input up
+
+    def run(x):
+        with mixprec.autocast("cpu", policy=policy):
+            return _scaled(x, w)
+
+    counter = CompileCounter()
+    eager, compiled = run(given), _compile(run, counter)(given)
+    assert eager.dtype is expected and compiled.dtype is expected
+    assert torch.equal(compiled, eager)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=["bf16", "fp16"])
+def test_emulated_compute_under_inductor(dtype):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+
+    def run(x):
+        with mixprec.autocast("cpu", dtype=dtype, compute="emulated"):
+            return torch.relu(lin(x))
+
+    x = torch.randn(16, 64)
+    x_eager, x_compiled = x.clone().requires_grad_(), x.clone().requires_grad_()
+    eager = run(x_eager)
+    compiled = _compile(run, "inductor")(x_compiled)
+    assert eager.dtype is dtype and compiled.dtype is dtype
+    # Both round the same float32 products once: equal up to float32 accumulation order.
+    tolerance = {BF16: 1e-2, torch.float16: 1e-3}[dtype]
+    torch.testing.assert_close(compiled.float(), eager.float(), atol=tolerance, rtol=tolerance)
+    eager.float().sum().backward()
+    compiled.float().sum().backward()
+    assert x_compiled.grad.dtype is torch.float32
+    torch.testing.assert_close(x_compiled.grad, x_eager.grad, atol=tolerance, rtol=tolerance)

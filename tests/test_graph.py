@@ -1,0 +1,181 @@
+"""Graph modes: torch.jit.trace + freeze, torch.export, and mixprec.graph.apply_policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.graph import apply_policy, cast_nodes
+from mixprec.graph._casts import cast_source
+
+BF16 = torch.bfloat16
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.ln = torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+        self.l2, self.l3 = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.ln(self.l1(x))
+        return self.l2(h) + self.l3(h), torch.softmax(self.l2(x), -1), torch.cat([self.l3(x), self.l3(x)])
+
+
+class MixprecNet(Net):
+    def forward(self, x):
+        with mixprec.autocast("cpu"):
+            return super().forward(x)
+
+
+class NativeNet(Net):
+    def forward(self, x):
+        with torch.autocast("cpu"):
+            return super().forward(x)
+
+
+torch.manual_seed(0)
+NET = Net().eval()
+X = torch.randn(4, 8)
+
+
+def _like(cls):
+    net = cls().eval()
+    net.load_state_dict(NET.state_dict())
+    return net
+
+
+@pytest.fixture(scope="module")
+def exported():
+    return torch.export.export(NET, (X,)).module()
+
+
+@pytest.fixture(scope="module")
+def rewritten(exported):
+    return apply_policy(exported, mixprec.policies.CPU, BF16)
+
+
+@pytest.fixture(scope="module")
+def native():
+    return torch.export.export(_like(NativeNet), (X,)).run_decompositions({}).module()
+
+
+def _eager():
+    with mixprec.autocast("cpu"):
+        return NET(X)
+
+
+def test_trace_and_freeze_record_the_casts():
+    with torch.no_grad(), mixprec.autocast("cpu"):
+        traced = torch.jit.trace(NET, X)
+        eager = NET(X)
+    frozen = torch.jit.freeze(traced)
+    assert "BFloat16" in str(frozen.graph)
+    for f, e in zip(frozen(X), eager, strict=True):
+        assert f.dtype is e.dtype and torch.equal(f, e)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_export_of_a_mixprec_forward_gives_the_eager_outputs(strict):
+    net = _like(MixprecNet)
+    program = torch.export.export(net, (X,), strict=strict)
+    for p, e in zip(program.module()(X), net(X), strict=True):
+        assert p.dtype is e.dtype is BF16 and torch.equal(p, e)
+
+
+def test_apply_policy_gives_the_eager_and_native_outputs(rewritten, native):
+    for r, e, n in zip(rewritten(X), _eager(), native(X), strict=True):
+        assert r.dtype is e.dtype is n.dtype
+        assert torch.equal(r, e) and torch.equal(r, n)
+
+
+def test_apply_policy_does_not_mutate_its_input():
+    gm = torch.export.export(NET, (X,)).module()
+    code, nodes = gm.code, len(gm.graph.nodes)
+    apply_policy(gm, mixprec.policies.CPU, BF16)
+    assert gm.code == code and len(gm.graph.nodes) == nodes
+    assert all(o.dtype is torch.float32 for o in gm(X))
+
+
+def test_fewer_casts_than_native(rewritten, native):
+    assert 0 < cast_nodes(rewritten) < cast_nodes(native)
+
+
+def test_no_cast_chains(rewritten):
+    casts = [n for n in rewritten.graph.nodes if cast_source(n) is not None]
+    assert all(cast_source(cast_source(n)) is None for n in casts)
+
+
+def test_one_cast_per_tensor_and_dtype(rewritten):
+    keys = [(cast_source(n), n.kwargs["dtype"]) for n in rewritten.graph.nodes if cast_source(n) is not None]
+    assert len(keys) == len(set(keys))
+
+
+class _RoundTrip(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x.float())  # x is bf16: the .float() copy would be cast straight back
+
+
+def test_no_cast_back_pairs():
+    model = _RoundTrip()
+    x = X.to(BF16)
+    low = apply_policy(torch.export.export(model, (x,)).module(), mixprec.policies.CPU, BF16)
+    placeholder = next(n for n in low.graph.nodes if n.op == "placeholder" and n.name == "x")
+    linear = next(n for n in low.graph.nodes if n.target is torch.ops.aten.linear.default)
+    assert linear.args[0] is placeholder
+    with mixprec.autocast("cpu"):
+        assert torch.equal(low(x), model(x))
+
+
+def test_promote_of_two_bf16_inputs_adds_no_cast():
+    def cat(a, b):
+        return torch.cat([a, b])
+
+    a = X.to(BF16)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    low = apply_policy(make_fx(cat, pre_dispatch=True)(a, a), mixprec.policies.CPU, BF16)
+    assert cast_nodes(low) == 0 and low(a, a).dtype is BF16
+
+
+def test_fp32_append_dtype_norm_under_cuda_policy():
+    class Norm(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.norm.Scalar(x, 2)
+
+    x = X.half()
+    low = apply_policy(torch.export.export(Norm(), (x,)).module(), mixprec.policies.CUDA, torch.float16)
+    assert any(n.target is torch.ops.aten.norm.ScalarOpt_dtype for n in low.graph.nodes)
+    out = low(x)
+    assert out.dtype is torch.float32
+    torch.testing.assert_close(out, torch.linalg.vector_norm(x.float()))
+
+
+def test_banned_op_names_the_users_line():
+    class Bce(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.binary_cross_entropy(x, x)  # the user's line
+
+    x = torch.rand(4)
+    gm = torch.export.export(Bce(), (x,)).module()
+    with pytest.raises(RuntimeError, match=r"binary_cross_entropy_with_logits.*test_graph.py.*line"):
+        apply_policy(gm, mixprec.policies.CUDA, torch.float16)
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [((NET, "policy"), "gm"), (("exported", "p", BF16), "policy"), (("exported", None, "bf16"), "dtype")],
+    ids=["gm", "policy", "dtype"],
+)
+def test_apply_policy_checks_types(args, name, exported):
+    gm, policy, *rest = args
+    gm = exported if gm == "exported" else gm
+    policy = mixprec.policies.CPU if policy in (None, "policy") else policy
+    dtype = rest[0] if rest else BF16
+    with pytest.raises(TypeError, match=f"apply_policy argument '{name}'"):
+        apply_policy(gm, policy, dtype)
