@@ -37,6 +37,17 @@ def is_eligible(t: torch.Tensor, device_type: str) -> bool:
     return t.is_cpu if device_type == "cpu" else t.device.type == device_type
 
 
+# ``t.bfloat16()`` is ``t.to(torch.bfloat16)`` (the same ``_to_copy``, the same autograd node)
+# without ``Tensor.to``'s overload resolution: about 1 us less per cast.
+_CAST = {torch.bfloat16: _Tensor.bfloat16, torch.float16: _Tensor.half, torch.float32: _Tensor.float}
+
+
+def to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, by the cheapest call that makes it."""
+    method = _CAST.get(dtype)
+    return t.to(dtype) if method is None else method(t)
+
+
 def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device_type: str, cache: Cache | None) -> torch.Tensor:
     """Cast one tensor if eligible; weights (fp32 leaves requiring grad) go through the cache."""
     source = t.dtype
@@ -49,10 +60,10 @@ def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device_type: str, cache: Ca
         hit = cache.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[2]
-        out = t.to(dtype)
+        out = to(t, dtype)
         cache[key] = (weakref.ref(t), t._version, out)
         return out
-    return t.to(dtype)
+    return to(t, dtype)
 
 
 def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | None) -> Any:

@@ -34,6 +34,7 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _DIAGNOSTICS_DIR = os.path.join(_MIXPREC_DIR, "diagnostics") + os.sep
 _TORCH_DISPATCH = os.path.join(_TORCH_DIR, "overrides.py")
 _CAST_FILE = os.path.join(_MIXPREC_DIR, "_cast.py")
+_CAST_METHODS = frozenset({"to", "bfloat16", "half", "float"})  # what mixprec._cast.to calls
 _SKIP = frozenset({"__get__", "__set__", "dim", "size", "numel", "stride", "is_floating_point", "item", "tolist"})
 
 
@@ -203,6 +204,7 @@ class CastCounter(TorchFunctionMode):
         self.casts = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if getattr(func, "__name__", "") == "to" and os.path.abspath(sys._getframe(1).f_code.co_filename) == _CAST_FILE:
+        caller = os.path.abspath(sys._getframe(1).f_code.co_filename)
+        if getattr(func, "__name__", "") in _CAST_METHODS and caller == _CAST_FILE:
             self.casts += 1
         return func(*args, **(kwargs or {}))
