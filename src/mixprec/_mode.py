@@ -31,6 +31,7 @@ from mixprec.policies import Category, Policy
 _float32 = torch.float32
 _is_compiling = torch.compiler.is_compiling
 _Tensor = torch.Tensor
+_UNSEEN: Any = object()
 
 _dtype = torch.dtype
 Func = Callable[..., Any]
@@ -252,7 +253,9 @@ class AutocastMode(TorchFunctionMode):
                 return func(*args, **kwargs)
             if rule is not None:
                 return rule(ctx, state, func, args, kwargs)
-            twin = ctx.compiled.twin(func)
+            twin = ctx.compiled.twins.get(func, _UNSEEN)  # inlined Compiled.twin: most calls end here
+            if twin is _UNSEEN:
+                twin = ctx.compiled.twin(func)
         elif contexts:
             rule, ctx = self._route(contexts, func, args, kwargs)
             if rule is not None:
