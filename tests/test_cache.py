@@ -10,20 +10,9 @@ import gc
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
-
-
-class CountCasts(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.casts = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._to_copy.default:
-            self.casts += 1
-        return func(*args, **(kwargs or {}))
+from _counting import CountCasts
 
 
 def casts_of(fn, *, cache_enabled=True):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from _cli import run
+from _counting import CountCasts
 from mixprec.cli import _demo
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -30,24 +30,14 @@ def test_same_seed_same_run():
     assert first.losses == second.losses and first.accuracy == second.accuracy
 
 
-class _CountToCopy(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func is torch.ops.aten._to_copy.default
-        return func(*args, **(kwargs or {}))
-
-
 def test_casts_per_step_equals_native_autocast_casts():
     data = _demo.load_digits("cpu")
     result = _demo.train(_demo.SETUPS[1], 1, "cpu", data)
     torch.manual_seed(_demo.SEED)
     model, (x, y) = _demo.make_model(), (data[0][: _demo.BATCH], data[1][: _demo.BATCH])
-    with _CountToCopy() as native, torch.autocast("cpu", dtype=torch.bfloat16):
+    with CountCasts() as native, torch.autocast("cpu", dtype=torch.bfloat16):
         torch.nn.functional.cross_entropy(model(x), y)
-    assert result.casts_per_step == native.count == 10  # 8 weights and biases, the input, the logits to fp32
+    assert result.casts_per_step == native.casts == 10  # 8 weights and biases, the input, the logits to fp32
 
 
 def test_float32_run_has_no_casts_and_scaler_skips_nothing_in_fp32():
