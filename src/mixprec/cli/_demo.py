@@ -172,34 +172,11 @@ def train(setup: Setup, steps: int, device: str, data: tuple[torch.Tensor, ...])
     return train_all((setup,), steps, device, data)[0]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return set(next((line for line in info if line.startswith("flags")), "").split())
-    except OSError:
-        return set()
-
-
-#: Instruction sets that give a CPU fast matrix units for a dtype: cpuinfo flag or torch's own check.
-FAST_UNITS: dict[torch.dtype, tuple[tuple[str, str], ...]] = {
-    torch.bfloat16: (("amx_bf16", "_is_amx_tile_supported"), ("avx512_bf16", "_is_avx512_bf16_supported")),
-    torch.float16: (("amx_fp16", "_is_amx_fp16_supported"), ("avx512_fp16", "")),
-}
-
-
-def hardware_note(device: str, dtype: torch.dtype | None) -> str:
-    """The fast matrix units this CPU has for ``dtype`` (cpuinfo flags), or a plain statement that it has none."""
+def compute_note(device: str, dtype: torch.dtype | None) -> str:
+    """How ``compute="auto"`` runs this dtype's matrix ops here: on native kernels or emulated."""
     if dtype is None:
         return "-"
-    if device != "cpu":
-        return "n/a (not a CPU)"
-    flags = _cpu_flags()
-    found = [
-        flag
-        for flag, check in FAST_UNITS[dtype]
-        if flag in flags or (check and bool(getattr(torch.cpu, check, lambda: False)()))
-    ]
-    return ", ".join(found) if found else "NONE (slow kernels)"
+    return "native" if mixprec.kernel_support(device, dtype).native else "emulated"
 
 
 def plot(results: list[Result], path: Path) -> None:
@@ -237,7 +214,7 @@ def run_demo(steps: int, device: str, out: Path) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     device = device_type(device)
-    console = Console(width=max(Console().width, 120))  # the table needs ~115 columns
+    console = Console(width=max(Console().width, 132))  # the table needs ~128 columns
     data = load_digits(device)
     console.print(f"Digits: {len(data[1])} train / {len(data[3])} test images, batch {BATCH}, {steps} steps per run, "
                   f"{torch.get_num_threads()} threads")  # fmt: skip
@@ -257,16 +234,18 @@ def _table(results: list[Result], device: str) -> object:
     table = Table(title=f"mixprec demo ({device}, {torch.get_num_threads()} threads)")
     for name in ("run", "time/step", "vs fp32", "peak memory*", "final loss", "test acc", "skipped", "casts/step"):
         table.add_column(name, justify="left" if name == "run" else "right", no_wrap=True)
-    table.add_column("fast units")
+    table.add_column("compute", no_wrap=True)
     base = results[0].seconds_per_step
     for r in results:
         table.add_row(
             r.setup.label, f"{r.seconds_per_step * 1e3:.1f} ms", f"{r.seconds_per_step / base:.2f}x",
             f"{r.peak_bytes / 2**20:.2f} MiB", f"{r.losses[-1]:.4f}", f"{r.accuracy:.1%}", str(sum(r.skipped)),
-            str(r.casts_per_step), hardware_note(device, r.setup.dtype),
+            str(r.casts_per_step), compute_note(device, r.setup.dtype),
         )  # fmt: skip
-    notes = ["fast units: the CPU's matrix instructions for the dtype (AMX, AVX512-BF16/FP16); without them "
-             "torch's CPU kernels for that dtype are slow fallbacks, and low precision runs slower than float32."]
+    notes = ['compute: how compute="auto" runs matrix ops (mixprec.kernel_support): "native" on the CPU\'s '
+             'low-precision units; "emulated" (float32 kernels between low-precision roundings) where it has none, '
+             "as torch's own kernels for that dtype are slow fallbacks there."]
+    notes += [str(mixprec.kernel_support(device, r.setup.dtype)) for r in results if r.setup.dtype is not None]
     if device != "cuda":
         notes.append("* CPU has no allocator statistics: the bytes autograd holds for backward (a step's peak) "
                      "plus weights and gradients.")
