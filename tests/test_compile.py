@@ -229,6 +229,18 @@ def test_norm_under_cuda_policy_runs_in_float32():
     torch.testing.assert_close(compiled, eager)
 
 
+def test_private_builtins_are_routed_with_the_region_outside_the_compiled_function():
+    # torch._VF.norm and torch._C._nn.binary_cross_entropy reach the mode under dynamo only once the
+    # policy's builtins are registered, which a trace does on its first lookup of the policy.
+    cuda_fp16 = mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA)
+    norm = _compile(lambda x: torch.norm(x))
+    with cuda_fp16:
+        assert norm(X.half()).dtype is torch.float32
+    bce = _compile(lambda a, b: torch.nn.functional.binary_cross_entropy(a, b))
+    with cuda_fp16, pytest.raises(RuntimeError, match="binary_cross_entropy_with_logits"):
+        bce(torch.rand(4).half(), torch.rand(4).half())
+
+
 # Seed 004: mixing tracing and compiled autocast.
 def _disabled_helper(a, b):
     with mixprec.autocast("cpu", enabled=False):
@@ -431,3 +443,32 @@ def test_emulated_compute_under_inductor(dtype):
     compiled.float().sum().backward()
     assert x_compiled.grad.dtype is torch.float32
     torch.testing.assert_close(x_compiled.grad, x_eager.grad, atol=tolerance, rtol=tolerance)
+
+
+def test_constant_marks_a_function_as_torch_compiler_does():
+    from mixprec import _compile
+
+    def ours():
+        return 1
+
+    def torchs():
+        return 1
+
+    _compile.constant(ours)
+    torch.compiler.assume_constant_result(torchs)
+    assert vars(ours) == vars(torchs) == {"_dynamo_marked_constant": True}
+
+
+def test_import_and_eager_regions_do_not_import_dynamo():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, mixprec\n"
+        "x = torch.randn(4, 4)\n"
+        "with mixprec.autocast('cpu'):\n"
+        "    torch.mm(x, x); torch.nn.functional.binary_cross_entropy(torch.rand(4), torch.rand(4))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr

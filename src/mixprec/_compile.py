@@ -8,19 +8,37 @@ namespace: ``torch._C._nn.binary_cross_entropy`` (under ``F.binary_cross_entropy
 ``torch._VF.norm`` (under ``torch.norm``), the ``_C._nn`` losses and upsampling
 ops. Under torch.compile the mode would never see them, and a policy's rule for
 them (banned, fp32_append_dtype, ...) would silently not apply. ``register``
-adds the builtins a policy names to that set when the policy's rules are built
-(never at import).
+adds the builtins a policy names to that set the first time a trace looks the
+policy up (never at import, and never in eager mode, which does not need dynamo).
+The builtins are reached through Python wrappers (``F.binary_cross_entropy``,
+``torch.norm``) that reach the mode first, so the set is complete before dynamo
+meets them.
+
+Nothing here imports ``torch._dynamo`` when mixprec is imported: ``constant``
+marks a function as ``torch.compiler.assume_constant_result`` does (that one
+imports dynamo, about a second), and a test checks that the marks agree.
 """
 
 from __future__ import annotations
 
 import types
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 _BUILTINS = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def constant(fn: F) -> F:
+    """``torch.compiler.assume_constant_result(fn)`` without importing dynamo: the trace runs ``fn``
+    eagerly and uses its result as a constant."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+_registered: dict[int, Any] = {}  # id(policy) -> policy, for the policies already registered
 
 
 def register(funcs: Iterable[Callable[..., Any]]) -> None:
@@ -47,9 +65,17 @@ def call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     return func(*args, **kwargs)
 
 
-@torch._dynamo.assume_constant_result
+def register_policy(policy: Any) -> None:
+    """``register`` the builtins that ``policy`` names, once per policy object."""
+    if _registered.get(id(policy)) is not policy:
+        register(policy._by_callable)
+        _registered[id(policy)] = policy
+
+
+@constant
 def category(policy: Any, func: Callable[..., Any]) -> str | None:
     """``policy``'s category name for ``func``, run eagerly by torch.compile (a constant in the trace)."""
+    register_policy(policy)
     try:
         found = policy._by_callable.get(func)
     except TypeError:  # unhashable callable
@@ -57,13 +83,13 @@ def category(policy: Any, func: Callable[..., Any]) -> str | None:
     return None if found is None else str(found.value)
 
 
-@torch._dynamo.assume_constant_result
+@constant
 def advice(policy: Any, func: Callable[..., Any]) -> str:
     """The text a banned ``func`` raises under ``policy`` (a constant in the trace)."""
     return str(policy.advice(policy._banned_names[func]))
 
 
-@torch._dynamo.assume_constant_result
+@constant
 def expands(policy: Any, func: Callable[..., Any]) -> bool:
     """Whether ``func`` is a composite to run as its twin under ``policy`` (a constant in the trace)."""
     from mixprec import _mode

@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-from mixprec import _errors
+from mixprec import _compile, _errors
 
 COMPUTE_MODES = ("auto", "native", "emulated")
 
@@ -203,7 +203,7 @@ def check_compute(compute: object) -> str:
     return compute
 
 
-@torch._dynamo.assume_constant_result
+@_compile.constant
 def emulates(compute: str, device_type: str, dtype: torch.dtype) -> bool:
     """Whether a region with these settings emulates its lower_precision_fp ops.
 

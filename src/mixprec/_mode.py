@@ -72,7 +72,7 @@ def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return kwargs.get("input", kwargs.get("self"))
 
 
-@torch._dynamo.assume_constant_result
+@_compile.constant
 def _dtype_position(func: Callable[..., Any]) -> int | None:
     """Where a builtin takes ``dtype`` positionally (``softmax(input, dim, dtype)``), from its ATen schemas."""
     return _schema_dtype_position(func)
@@ -214,7 +214,6 @@ def compile_policy(policy: Policy) -> Compiled:
             rules[func] = _banned(policy.advice(policy._banned_names[func]))
         else:
             rules[func] = _RULES[category]
-    _compile.register(policy._by_callable)
     compiled = Compiled(rules, _reach.policy_names(dict(policy.table), rules), {})
     if len(_compiled) > 256:
         _compiled.clear()
@@ -224,7 +223,12 @@ def compile_policy(policy: Policy) -> Compiled:
 
 def traced_policy(policy: Policy) -> Compiled:
     """``compile_policy(policy)`` as torch.compile can trace it: built eagerly, read as a guarded attribute."""
-    return _shelf.fetch(_shelved, policy, compile_policy)  # type: ignore[no-any-return]
+    return _shelf.fetch(_shelved, policy, _compile_for_trace)  # type: ignore[no-any-return]
+
+
+def _compile_for_trace(policy: Policy) -> Compiled:
+    _compile.register_policy(policy)
+    return compile_policy(policy)
 
 
 def _touches(ctx: Context, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

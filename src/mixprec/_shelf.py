@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
+from mixprec import _compile
 
 
 class Shelf:
@@ -30,7 +30,7 @@ class Shelf:
         self.limit = limit
 
 
-@torch._dynamo.assume_constant_result
+@_compile.constant
 def put(shelf: Shelf, key: Any, build: Callable[[Any], Any]) -> str:
     """Store ``build(key)`` on ``shelf`` unless stored for this very object; returns the attribute."""
     name = f"v{id(key)}"
