@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixprec import _state
+from mixprec import _compute, _state
 
 
 @pytest.fixture(autouse=True)
@@ -26,3 +26,19 @@ def _no_autocast_leak():
     assert not leaked and nesting == 0, f"test leaked mixprec autocast state: {leaked}, nesting={nesting}"
     assert stack_after == stack_before, "test leaked a torch function mode"
     assert not torch.is_autocast_enabled("cpu"), "test leaked native CPU autocast"
+
+
+@pytest.fixture
+def fake_cpu_flags(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """Pretend the CPU has the given /proc/cpuinfo flags (torch's own probes silenced)."""
+
+    def set_flags(*names: str) -> None:
+        monkeypatch.setattr(_compute, "_cpu_flags", lambda: frozenset(names))
+        monkeypatch.setattr(_compute, "_torch_probes", lambda dtype: ())
+        monkeypatch.setattr(_compute.platform, "machine", lambda: "x86_64")
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+        monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+        _compute._cpu_support.cache_clear()
+
+    yield set_flags
+    _compute._cpu_support.cache_clear()

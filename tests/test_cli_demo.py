@@ -11,7 +11,6 @@ import torch
 
 from _cli import run
 from _counting import CountCasts
-from mixprec import _compute
 from mixprec.cli import _demo
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -47,31 +46,16 @@ def test_float32_run_has_no_casts_and_scaler_skips_nothing_in_fp32():
     assert result.casts_per_step == 0 and result.skipped == [] and result.peak_bytes > 0
 
 
-@pytest.fixture
-def cpu_flags(monkeypatch):
-    """Pretend the CPU has exactly the given cpuinfo flags (and torch's probes find nothing)."""
-
-    def set_flags(*names: str) -> None:
-        monkeypatch.setattr(_compute, "_cpu_flags", lambda: frozenset(names))
-        monkeypatch.setattr(_compute, "_torch_probes", lambda dtype: ())
-        monkeypatch.setattr(_compute.platform, "machine", lambda: "x86_64")
-        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-        _compute._cpu_support.cache_clear()
-
-    yield set_flags
-    _compute._cpu_support.cache_clear()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_table_says_emulated_where_the_cpu_has_no_units(cpu_flags, dtype):
-    cpu_flags()
+def test_table_says_emulated_where_the_cpu_has_no_units(fake_cpu_flags, dtype):
+    fake_cpu_flags()
     assert _demo.compute_note("cpu", dtype) == "emulated"
     assert _demo.compute_note("cpu", None) == "-"
 
 
 @pytest.mark.parametrize(("dtype", "flag"), [(torch.bfloat16, "avx512_bf16"), (torch.float16, "avx512_fp16")])
-def test_table_says_native_and_names_the_flag(cpu_flags, dtype, flag):
-    cpu_flags(flag)
+def test_table_says_native_and_names_the_flag(fake_cpu_flags, dtype, flag):
+    fake_cpu_flags(flag)
     data = _demo.load_digits("cpu")
     setup = next(s for s in _demo.SETUPS if s.dtype is dtype)
     results = [_demo.train(_demo.SETUPS[0], 1, "cpu", data), _demo.train(setup, 1, "cpu", data)]

@@ -10,22 +10,6 @@ from mixprec import _compute, _state
 from mixprec._errors import MixprecWarning
 
 
-@pytest.fixture
-def flags(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """Pretend the CPU has the given /proc/cpuinfo flags (torch's own probes silenced)."""
-
-    def set_flags(*names: str) -> None:
-        monkeypatch.setattr(_compute, "_cpu_flags", lambda: frozenset(names))
-        monkeypatch.setattr(_compute, "_torch_probes", lambda dtype: ())
-        monkeypatch.setattr(_compute.platform, "machine", lambda: "x86_64")
-        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-        monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
-        _compute._cpu_support.cache_clear()
-
-    yield set_flags
-    _compute._cpu_support.cache_clear()
-
-
 @pytest.mark.parametrize("value", [1, None, torch.float16, ["auto"]])
 def test_compute_of_wrong_type_raises_type_error(value: object) -> None:
     with pytest.raises(TypeError, match=r"autocast argument 'compute' has the wrong type: .*Received: compute="):
@@ -51,9 +35,9 @@ CPU_CASES = {
 
 
 @pytest.mark.parametrize("case", CPU_CASES)
-def test_cpu_rule_follows_the_flags(case: str, flags) -> None:  # type: ignore[no-untyped-def]
+def test_cpu_rule_follows_the_flags(case: str, fake_cpu_flags) -> None:  # type: ignore[no-untyped-def]
     cpu_flags, dtype, native = CPU_CASES[case]
-    flags(*cpu_flags)
+    fake_cpu_flags(*cpu_flags)
     support = mixprec.kernel_support("cpu", dtype)
     assert support.native is native
     assert support.device_type == "cpu" and support.dtype is dtype
@@ -64,8 +48,8 @@ def test_cpu_rule_follows_the_flags(case: str, flags) -> None:  # type: ignore[n
     ("isa", "native"),
     [("AVX2", False), ("AVX512_CORE", False), ("AVX512_CORE_BF16", True), ("ALL", True), ("bogus", True)],
 )
-def test_onednn_isa_cap_turns_native_off(isa: str, native: bool, flags, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    flags("avx512f", "avx512_bf16")
+def test_onednn_isa_cap_turns_native_off(isa: str, native: bool, fake_cpu_flags, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    fake_cpu_flags("avx512f", "avx512_bf16")
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
     support = mixprec.kernel_support("cpu", torch.bfloat16)
     assert support.native is native
@@ -73,8 +57,8 @@ def test_onednn_isa_cap_turns_native_off(isa: str, native: bool, flags, monkeypa
         assert "ONEDNN_MAX_CPU_ISA" in support.evidence
 
 
-def test_aarch64_flags(flags, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    flags("fp", "asimd", "bf16")
+def test_aarch64_flags(fake_cpu_flags, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    fake_cpu_flags("fp", "asimd", "bf16")
     monkeypatch.setattr(_compute.platform, "machine", lambda: "aarch64")
     assert mixprec.kernel_support("cpu", torch.bfloat16).native
     assert not mixprec.kernel_support("cpu", torch.float16).native
@@ -93,8 +77,8 @@ def _emulating() -> bool:
 @pytest.mark.parametrize(
     ("cpu_flags", "expected"), [(("avx512_bf16",), False), (("avx2",), True)], ids=["bf16", "avx2"]
 )
-def test_auto_emulates_where_kernels_are_not_native(cpu_flags: tuple[str, ...], expected: bool, flags) -> None:  # type: ignore[no-untyped-def]
-    flags(*cpu_flags)
+def test_auto_emulates_where_kernels_are_not_native(cpu_flags: tuple[str, ...], expected: bool, fake_cpu_flags) -> None:  # type: ignore[no-untyped-def]
+    fake_cpu_flags(*cpu_flags)
     with mixprec.autocast("cpu", dtype=torch.bfloat16):
         assert _emulating() is expected
     with mixprec.autocast("cpu", dtype=torch.bfloat16, compute="auto"):
@@ -103,8 +87,8 @@ def test_auto_emulates_where_kernels_are_not_native(cpu_flags: tuple[str, ...], 
 
 @pytest.mark.parametrize("cpu_flags", [("avx512_bf16", "avx512_fp16"), ("avx2",)], ids=["native_cpu", "avx2_cpu"])
 @pytest.mark.parametrize("compute", ["native", "emulated"])
-def test_native_and_emulated_can_be_forced(compute: str, cpu_flags: tuple[str, ...], flags) -> None:  # type: ignore[no-untyped-def]
-    flags(*cpu_flags)
+def test_native_and_emulated_can_be_forced(compute: str, cpu_flags: tuple[str, ...], fake_cpu_flags) -> None:  # type: ignore[no-untyped-def]
+    fake_cpu_flags(*cpu_flags)
     for dtype in (torch.bfloat16, torch.float16):
         with mixprec.autocast("cpu", dtype=dtype, compute=compute):
             assert _emulating() is (compute == "emulated")
@@ -125,3 +109,10 @@ def test_a_disabled_region_does_not_look_at_the_device() -> None:
         region = mixprec.autocast("cpu", dtype=torch.int8, compute="auto")  # unsupported dtype: disabled
     with region:
         assert _state.get().contexts == ()
+
+
+@pytest.mark.parametrize(("cpu_flags", "shown"), [(("avx512_bf16",), "native"), (("avx2",), "emulated")])
+def test_repr_shows_compute_and_what_auto_chose(cpu_flags: tuple[str, ...], shown: str, fake_cpu_flags) -> None:  # type: ignore[no-untyped-def]
+    fake_cpu_flags(*cpu_flags)
+    assert repr(mixprec.autocast("cpu")).endswith(f"compute='auto' -> {shown})")
+    assert repr(mixprec.autocast("cpu", compute="emulated")).endswith("compute='emulated')")

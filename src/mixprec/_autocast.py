@@ -77,8 +77,8 @@ class autocast:  # noqa: N801 - torch's name
         self._cache_enabled = True if cache_enabled is None else cache_enabled
         self._policy = policy
         self._enabled = enabled and _usable(spec, self.fast_dtype)
-        compute = _compute.check_compute(compute)
-        self._emulate = self._enabled and _compute.emulates(compute, device_type, self.fast_dtype)
+        self._compute = _compute.check_compute(compute)
+        self._emulate = self._enabled and _compute.emulates(self._compute, device_type, self.fast_dtype)
         self._setting: _state.DeviceSetting | None = None  # made on first entry, then reused
 
     def __enter__(self) -> autocast:
@@ -116,13 +116,16 @@ class autocast:  # noqa: N801 - torch's name
         region = autocast.__new__(autocast)
         region.device, region.fast_dtype, region._cache_enabled = self.device, self.fast_dtype, self._cache_enabled
         region._policy, region._enabled, region._emulate = self._policy, self._enabled, self._emulate
+        region._compute = self._compute
         region._setting = self._setting
         return region
 
     def __repr__(self) -> str:
         return (
             f"autocast(device_type={self.device!r}, dtype={self.fast_dtype}, "
-            f"enabled={self._enabled}, cache_enabled={self._cache_enabled})"
+            f"enabled={self._enabled}, cache_enabled={self._cache_enabled}, compute={self._compute!r}"
+            + ((" -> emulated" if self._emulate else " -> native") if self._compute == "auto" and self._enabled else "")
+            + ")"
         )
 
 
