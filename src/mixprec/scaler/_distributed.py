@@ -7,6 +7,8 @@ all-reduced with MAX over the process group, so every rank decides alike.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -14,9 +16,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP2), or the tensor itself."""
     if type(t) is torch.Tensor:  # the common case, once per gradient per step: no attribute lookup
         return t
-    to_local = getattr(t, "to_local", None)
-    if to_local is not None and type(t).__name__ == "DTensor":
-        return to_local()  # type: ignore[no-any-return]
+    # A DTensor exists only once torch.distributed.tensor is imported; importing it here would cost every user.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        return t.to_local()  # type: ignore[no-any-return]
     return t
 
 
