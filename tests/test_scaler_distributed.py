@@ -158,14 +158,16 @@ def _loopback_interface() -> str | None:
     return next((name for name in ("lo", "lo0") if name in names), None)
 
 
-def _worker(rank: int, port: int, case: str, agree: bool, out_dir: str) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
+def _worker(rank: int, case: str, agree: bool, out_dir: str) -> None:
     interface = _loopback_interface()
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface  # gloo's own sockets on loopback too
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=COLLECTIVE_TIMEOUT)
+    # Rendezvous through a file, not a TCP port picked beforehand: no race for the port with other processes.
+    rendezvous = f"file://{Path(out_dir) / 'rendezvous'}"
+    dist.init_process_group(
+        "gloo", init_method=rendezvous, rank=rank, world_size=WORLD_SIZE, timeout=COLLECTIVE_TIMEOUT
+    )
     try:
         record = _train(case, agree)
         torch.save(record, Path(out_dir) / f"rank{rank}.pt")
@@ -175,17 +177,11 @@ def _worker(rank: int, port: int, case: str, agree: bool, out_dir: str) -> None:
 
 
 # ------------------------------------------------------------------ parent side
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _run(case: str, agree: bool, tmp_path: Path) -> list[dict[str, Any]]:
     """Train on WORLD_SIZE spawned ranks and return each rank's record; fail, never hang, on a timeout."""
     context = mp.start_processes(
         _worker,
-        args=(_free_port(), case, agree, str(tmp_path)),
+        args=(case, agree, str(tmp_path)),
         nprocs=WORLD_SIZE,
         join=False,
         start_method="spawn",
