@@ -269,16 +269,7 @@ class AutocastMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if twin is None or (state.expanding and state.expanding[-1] is func):
             return func(*args, **kwargs)
-        for t in types:
-            if t is not _Tensor:
-                return func(*args, **kwargs)  # a tensor subclass handles this composite itself
-        state.expanding.append(func)
-        torch._C._push_on_torch_function_stack(self)
-        try:
-            return twin(*args, **kwargs)
-        finally:
-            torch._C._pop_torch_function_stack()
-            state.expanding.pop()
+        return _run_twin(self, state, func, twin, types, args, kwargs)
 
     @staticmethod
     def _route(contexts: tuple[Context, ...], func: Func, args: Args, kwargs: Kwargs) -> tuple[Rule | None, Any]:
@@ -314,8 +305,16 @@ def _traced(mode: AutocastMode, func: Func, types: Any, args: Args, kwargs: Kwar
     twin = _expand.traced_twin(func) if expands else None
     if twin is None or (state.expanding and state.expanding[-1] is func):
         return _compile.call(func, args, kwargs)
-    if any(t is not _Tensor for t in types):
-        return func(*args, **kwargs)  # a tensor subclass handles this composite itself
+    return _run_twin(mode, state, func, twin, types, args, kwargs)
+
+
+def _run_twin(
+    mode: AutocastMode, state: ThreadState, func: Func, twin: Func, types: Any, args: Args, kwargs: Kwargs
+) -> Any:
+    """Run ``func`` as its twin with the mode pushed, so that the ops inside it reach the mode."""
+    for t in types:
+        if t is not _Tensor:
+            return func(*args, **kwargs)  # a tensor subclass handles this composite itself
     state.expanding.append(func)
     torch._C._push_on_torch_function_stack(mode)
     try:
