@@ -126,23 +126,7 @@ def encoder_case() -> tuple[common.Case, dict[str, int]]:
 
 
 def bert_case() -> tuple[common.Case, dict[str, int]]:
-    from transformers import BertConfig, BertModel
-
-    hidden, layers, heads, seq, batch = 128, 2, 2, 64, 4
-    config = BertConfig(
-        vocab_size=1000,
-        hidden_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        intermediate_size=4 * hidden,
-        max_position_embeddings=seq,
-    )
-    model = BertModel(config).eval()
-    gen = torch.Generator().manual_seed(0)
-    inputs = {
-        "input_ids": torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
-        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
-    }
+    model, inputs, desc = common.small_bert()
 
     def call(m: nn.Module) -> Any:
         with torch.no_grad():
@@ -150,7 +134,6 @@ def bert_case() -> tuple[common.Case, dict[str, int]]:
 
     counts = {f"aot_{n}": aot_forward_casts(model, call, r) for n, r in CONTENDERS.items() if n != "fp32"}
     counts.update(export_casts(model, (), inputs))
-    desc = f"HF BertModel hidden {hidden}, {layers} layers, {heads} heads, seq {seq}, batch {batch}, eval fwd (no_grad)"
     return common.Case("bert", desc, common._eval_step(torch.compile(model), **inputs), 1.0), counts
 
 

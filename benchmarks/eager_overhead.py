@@ -124,7 +124,8 @@ def encoder_case() -> Case:
     return Case("encoder", desc + ", fwd+bwd", _train_step(model, x), 1.05)
 
 
-def bert_case() -> Case:
+def small_bert() -> tuple[nn.Module, dict[str, torch.Tensor], str]:
+    """A small HF BertModel in eval mode (built from a config, nothing downloaded), its inputs and a description."""
     from transformers import BertConfig, BertModel
 
     hidden, layers, heads, seq, batch = 128, 2, 2, 64, 4
@@ -138,10 +139,17 @@ def bert_case() -> Case:
     )
     model = BertModel(config).eval()
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=gen)
-    mask = torch.ones(batch, seq, dtype=torch.long)
+    inputs = {
+        "input_ids": torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
+        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+    }
     desc = f"HF BertModel hidden {hidden}, {layers} layers, {heads} heads, seq {seq}, batch {batch}, eval fwd (no_grad)"
-    return Case("bert", desc, _eval_step(model, input_ids=ids, attention_mask=mask), 1.05)
+    return model, inputs, desc
+
+
+def bert_case() -> Case:
+    model, inputs, desc = small_bert()
+    return Case("bert", desc, _eval_step(model, **inputs), 1.05)
 
 
 CASES: dict[str, Callable[[], Case]] = {"mlp": mlp_case, "encoder": encoder_case, "bert": bert_case}
