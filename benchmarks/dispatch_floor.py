@@ -26,7 +26,7 @@ import contextlib
 import os
 import statistics
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,11 +43,6 @@ BF16 = torch.bfloat16
 _linear = torch._C._nn.linear
 
 
-class PassThrough(TorchFunctionMode):
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        return func(*args, **(kwargs or {}))
-
-
 class IdealLinearAutocast(TorchFunctionMode):
     """linear on bfloat16 casts of its three tensors; every other call passes through (mlp only)."""
 
@@ -58,18 +53,12 @@ class IdealLinearAutocast(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@contextlib.contextmanager
-def native_pass() -> Iterator[None]:
-    with torch.autocast("cpu", dtype=BF16), PassThrough():
-        yield
-
-
 CONTENDERS: dict[str, Callable[[], Any]] = {
     "native": lambda: torch.autocast("cpu", dtype=BF16),
     "mixprec": lambda: mixprec.autocast("cpu", dtype=BF16),
-    "native_pass": native_pass,
+    "native_pass": common.floor_region,
     "fp32": contextlib.nullcontext,
-    "fp32_pass": PassThrough,
+    "fp32_pass": common._PassThrough,
 }
 
 
