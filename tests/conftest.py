@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixprec import _compute, _state
+from mixprec import _cast, _compute, _state
 
 
 @pytest.fixture(autouse=True)
@@ -13,19 +13,24 @@ def _no_autocast_leak():
     stack_before = torch._C._len_torch_function_stack()
     yield
     state = _state.get()
-    leaked = dict(state.devices)
+    leaked = dict(state.active)
     nesting = state.nesting
     stack_after = torch._C._len_torch_function_stack()
+    native_on = torch.is_autocast_enabled("cpu")
+    dtype_after = torch.get_autocast_dtype("cpu")
+    torch.set_autocast_dtype("cpu", torch.bfloat16)
     # Clean up first, so that one leaking test does not fail all the others.
-    state.devices.clear()
-    state.saved.clear()
-    state.contexts = ()
-    state.cache.clear()
+    state.active.clear()
+    while state.frames:
+        torch.amp._exit_autocast(state.frames.pop().torch_state)
+    _cast.thread_cache().clear()
     while torch._C._len_torch_function_stack() > stack_before:
         torch._C._pop_torch_function_stack()
+    torch.set_autocast_enabled("cpu", False)
     assert not leaked and nesting == 0, f"test leaked mixprec autocast state: {leaked}, nesting={nesting}"
     assert stack_after == stack_before, "test leaked a torch function mode"
-    assert not torch.is_autocast_enabled("cpu"), "test leaked native CPU autocast"
+    assert not native_on, "test leaked native CPU autocast"
+    assert dtype_after is torch.bfloat16, f"test leaked the CPU autocast dtype {dtype_after}"
 
 
 @pytest.fixture

@@ -2,6 +2,9 @@
 used under no_grad, invalidated by in-place updates, never keeping weights alive.
 
 Regions run with ``compute="native"``: the casts counted are those native autocast makes.
+The cache is that of mixprec's kernels: under the default policy torch's own
+kernels and cache run, so each test here gives ``aten::mm`` a mixprec kernel
+(as a policy that changes it would) and drops it afterwards.
 """
 
 from __future__ import annotations
@@ -9,10 +12,19 @@ from __future__ import annotations
 import gc
 import weakref
 
+import pytest
 import torch
 
 import mixprec
 from _counting import CountCasts
+from mixprec import _cast, _kernels
+
+
+@pytest.fixture(autouse=True)
+def _mm_through_mixprec():
+    _kernels.register("AutocastCPU", "cpu", {torch.ops.aten.mm.default})
+    yield
+    _kernels.reset()
 
 
 def casts_of(fn, *, cache_enabled=True):
@@ -63,7 +75,7 @@ def test_cache_cleared_when_outermost_region_exits():
         run()
         run()
     assert counter.casts == 4
-    assert mixprec._state.get().cache == {}
+    assert _cast.thread_cache() == {}
 
 
 def test_cache_lives_across_nested_regions():
@@ -106,7 +118,7 @@ def test_only_leaf_fp32_tensors_that_require_grad_are_cached():
         torch.mm(not_leaf, not_leaf)
         torch.mm(not_leaf, not_leaf)
     assert counter.casts == 4
-    assert mixprec._state.get().cache == {}
+    assert _cast.thread_cache() == {}
 
 
 def test_cache_keeps_no_weight_alive_after_region():
@@ -124,8 +136,8 @@ def test_cache_does_not_hold_weights_strongly_in_region():
         layer = torch.nn.Linear(4, 4)
         with torch.no_grad():
             pass
-        out = layer(X)
-        entries = list(mixprec._state.get().cache.values())
+        out = torch.mm(X, layer.weight)
+        entries = list(_cast.thread_cache().values())
         assert entries and all(isinstance(e[0], weakref.ref) for e in entries)
         del out, entries
 

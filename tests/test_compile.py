@@ -88,6 +88,8 @@ def test_region_inside_compiles_to_one_graph():
     ids=["bf16", "fp16", "disabled", "cuda-policy"],
 )
 def test_guards_follow_the_state_outside(region, expected):
+    with region():  # registers the region's kernels: new kernels reset dynamo (see mixprec._guard)
+        pass
     counter = CompileCounter()
     compiled = _compile(lambda x: LIN(x), counter)
     assert compiled(X).dtype is torch.float32
@@ -178,22 +180,25 @@ def test_instance_reused_and_bound_with_as():
 
 # Seed 004: promote decided from the real dtypes.
 def _graph_of(fn, *args):
+    """The output and the ATen forward graph (where the Autocast-key kernels have made their casts)."""
+    from torch._dynamo.backends.common import aot_autograd
+
     graphs = []
 
-    def backend(gm, example_inputs):
+    def forward_compiler(gm, example_inputs):
         graphs.append(gm)
         return gm.forward
 
     torch._dynamo.reset()
-    out = torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    out = torch.compile(fn, fullgraph=True, backend=aot_autograd(fw_compiler=forward_compiler))(*args)
     return out, graphs[0]
 
 
-_CAST_NAMES = ("to", "half", "float", "bfloat16")
+_CAST_TARGETS = ("aten._to_copy.default", "prims.convert_element_type.default")
 
 
 def _casts_in(gm):
-    return [n for n in gm.graph.nodes if n.op in ("call_method", "call_function") and str(n.target) in _CAST_NAMES]
+    return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target) in _CAST_TARGETS]
 
 
 def test_promote_cat_of_two_bf16_stays_bf16_without_casts():
@@ -472,3 +477,18 @@ def test_import_and_eager_regions_do_not_import_dynamo():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# A graph traced under one policy is never reused under another: the call recompiles.
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_function_follows_the_policy_of_the_region_around_it(backend):
+    mm_fp32 = mixprec.policies.CPU.with_ops(fp32=["mm"])
+    a = torch.randn(8, 8)
+    compiled = _compile(lambda x: torch.mm(x, x), backend=backend)
+    seen = []
+    for policy in (mm_fp32, None, mm_fp32, mixprec.policies.CUDA, None):
+        with mixprec.autocast("cpu", policy=policy, compute="native"):
+            seen.append(compiled(a).dtype)
+    assert seen == [torch.float32, BF16, torch.float32, BF16, BF16]
+    with torch.autocast("cpu"):  # no mixprec setting: native, as traced under none
+        assert compiled(a).dtype is BF16

@@ -22,15 +22,12 @@ for cat of float16 inputs under bfloat16). Two kinds of op are compared less:
 * ``linalg.lstsq`` (LAPACK gelsy) differs run to run in the last bits even
   with autocast off: values within float32 tolerance.
 
-Known divergences (``KNOWN``, each with its reason; listed in docs/policies.md)
-have their own tests, ``test_*_divergence_is_documented``: where mixprec differs
-from native on a sample, it must give the documented output; a KNOWN op that
-matches native everywhere fails, as a stale entry. The documented output is
-either ``UNCAST``, that of the same call with autocast off (a C++ composite that mixprec cannot look inside, or a Python
-wrapper that mixprec does not expand), or ``CAST``, that of the call on inputs
-(and module parameters) cast to the autocast dtype with autocast off (the
-named exceptions of the ``COMPOSITE_*`` entries of ``mixprec.policies.cpu``).
-Any other divergence fails.
+Under the default policy with native compute mixprec registers no kernel, so
+torch's own autocast would run and the comparison would prove nothing. Each
+test therefore gives every overload torch has an AutocastCPU kernel for a
+mixprec kernel (``_kernels.register``), which then reproduces native in Python,
+runs mixprec, and drops the kernels again; native runs first, with none of
+mixprec's kernels registered. There are no known divergences.
 
 mixprec runs with ``compute="native"`` here, so that the comparison with native
 autocast holds bit for bit on any machine, whatever ``compute="auto"`` picks on it.
@@ -38,6 +35,7 @@ autocast holds bit for bit on any machine, whatever ``compute="auto"`` picks on 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -46,7 +44,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec.policies import cpu
+from mixprec import _kernels, _tables
 
 
 def _databases() -> tuple[list[Any], list[Any]]:
@@ -72,31 +70,6 @@ pytestmark = [
 LOW = {"bf16": torch.bfloat16, "fp16": torch.float16}
 N_FLOAT32, N_LOW, N_VARIANT, N_MODULE = 8, 3, 2, 4
 SEED = 1234
-
-UNCAST, CAST = "uncast", "cast"
-_OTHER_LOW = (
-    "native autocast raises ('Unexpected floating ScalarType in at::autocast::prioritize') for "
-    "an input in the other lower-precision dtype, where the composite reaches cat: "
-)
-#: OpInfo name (with its variant) or ModuleInfo name -> (documented mixprec output, reason).
-KNOWN: dict[str, tuple[str, str]] = {
-    "einsum": (UNCAST, cpu.UNLISTED_COMPOSITES["einsum"]),
-    "cov": (UNCAST, cpu.UNLISTED_COMPOSITES["cov"]),
-    "corrcoef": (UNCAST, cpu.UNLISTED_COMPOSITES["corrcoef"]),
-    "linalg.pinv": (UNCAST, cpu.UNLISTED_COMPOSITES["linalg_pinv"]),
-    "linalg.pinv.hermitian": (UNCAST, cpu.UNLISTED_COMPOSITES["linalg_pinv"]),
-    "nn.functional.bilinear": (UNCAST, cpu.UNLISTED_COMPOSITES["bilinear"]),
-    "nn_Bilinear": (UNCAST, cpu.UNLISTED_COMPOSITES["bilinear"]),
-    **{
-        name: (UNCAST, _OTHER_LOW + cpu.UNLISTED_COMPOSITES["roll"])
-        for name in (
-            "roll", "fft.fftshift", "fft.ifftshift", "gradient", "combinations", "cartesian_prod",
-            "matrix_exp", "isin",
-        )
-    },
-    "tensordot": (CAST, cpu.COMPOSITE_EXCEPTIONS["tensordot"]),
-    "nn_LSTM": (CAST, cpu.COMPOSITE_EXCEPTIONS["lstm"]),
-}
 
 #: Compared with a tolerance: nondeterministic in the last bits without autocast too.
 LAST_BITS_NONDETERMINISTIC = {"linalg.lstsq", "linalg.lstsq.grad_oriented"}
@@ -288,29 +261,36 @@ def _module_cases(info: Any, autocast_dtype: torch.dtype) -> Iterator[Case]:
 # ---------------------------------------------------------------- the test
 
 
+@pytest.fixture(autouse=True)
+def _pristine_native():
+    """Native runs with none of mixprec's kernels (earlier tests may have registered some)."""
+    _kernels.reset()
+    yield
+    _kernels.reset()
+
+
+@contextlib.contextmanager
+def _every_native_op_as_mixprec_kernel() -> Iterator[None]:
+    _kernels.register("AutocastCPU", "cpu", frozenset(_tables.native("cpu")))
+    try:
+        yield
+    finally:
+        _kernels.reset()
+
+
 def _check(key: str, cases: Iterator[Case], autocast_dtype: torch.dtype, values: str) -> None:
-    """Every case as native; or, for a KNOWN op, native or the documented output, with at least one divergence."""
-    model = KNOWN[key][0] if key in KNOWN else None
-    unexplained, documented = [], []
-    for label, call, cast_call in cases:
-        native = _run(call, torch.autocast("cpu", dtype=autocast_dtype))
-        ours = _run(call, mixprec.autocast("cpu", dtype=autocast_dtype, compute="native"))
-        found = _difference(native, ours, values)
-        if found is None:
-            continue
-        if model is None:
+    """Every case as native, bits, dtypes and errors."""
+    cases = list(cases)
+    natives = [_run(call, torch.autocast("cpu", dtype=autocast_dtype)) for _, call, _ in cases]
+    with _every_native_op_as_mixprec_kernel():
+        ours = [_run(call, mixprec.autocast("cpu", dtype=autocast_dtype, compute="native")) for _, call, _ in cases]
+    unexplained = []
+    for (label, _, _), native, mine in zip(cases, natives, ours, strict=True):
+        found = _difference(native, mine, values)
+        if found is not None:
             unexplained.append(f"{label}: {found}")
-            continue
-        expected = _run(call if model == UNCAST else cast_call, torch.autocast("cpu", enabled=False))
-        off_model = _difference(expected, ours, values)
-        if off_model is None:
-            documented.append(f"{label}: {found}")
-        else:
-            unexplained.append(f"{label}: {found}; not the documented {model} output either: {off_model}")
     if unexplained:
         pytest.fail(f"mixprec differs from native autocast on {key}:\n  " + "\n  ".join(unexplained))
-    if model is not None and not documented:
-        pytest.fail(f"{key} now matches native autocast on every case: remove it from KNOWN.")
 
 
 def _key(opinfo: Any) -> str:
@@ -328,31 +308,16 @@ def _op_values(key: str) -> str:
 
 
 @pytest.mark.parametrize("autocast_dtype", LOW.values(), ids=LOW.keys())
-@pytest.mark.parametrize("key", sorted(set(OPS) - set(KNOWN)))
+@pytest.mark.parametrize("key", sorted(OPS))
 def test_op_matches_native(key: str, autocast_dtype: torch.dtype) -> None:
     _check(key, _op_cases(OPS[key], autocast_dtype), autocast_dtype, _op_values(key))
 
 
 @pytest.mark.parametrize("autocast_dtype", LOW.values(), ids=LOW.keys())
-@pytest.mark.parametrize("key", sorted(set(OPS) & set(KNOWN)))
-def test_op_divergence_is_documented(key: str, autocast_dtype: torch.dtype) -> None:
-    """A KNOWN op: native on some samples, the documented output (and not native's) on the others."""
-    _check(key, _op_cases(OPS[key], autocast_dtype), autocast_dtype, _op_values(key))
-
-
-@pytest.mark.parametrize("autocast_dtype", LOW.values(), ids=LOW.keys())
-@pytest.mark.parametrize("key", sorted(set(MODULES) - set(KNOWN)))
+@pytest.mark.parametrize("key", sorted(MODULES))
 def test_module_matches_native(key: str, autocast_dtype: torch.dtype) -> None:
     _check(key, _module_cases(MODULES[key], autocast_dtype), autocast_dtype, "bits")
 
 
-@pytest.mark.parametrize("autocast_dtype", LOW.values(), ids=LOW.keys())
-@pytest.mark.parametrize("key", sorted(set(MODULES) & set(KNOWN)))
-def test_module_divergence_is_documented(key: str, autocast_dtype: torch.dtype) -> None:
-    """A KNOWN module: native on some inputs, the documented output (and not native's) on the others."""
-    _check(key, _module_cases(MODULES[key], autocast_dtype), autocast_dtype, "bits")
-
-
-def test_known_divergences_name_real_ops() -> None:
-    assert set(KNOWN) <= set(OPS) | set(MODULES)
+def test_nondeterministic_entries_name_real_ops() -> None:
     assert set(LAST_BITS_NONDETERMINISTIC) <= set(OPS)

@@ -111,7 +111,10 @@ def test_overload_entry_wins_over_its_op():
     policy = CPU.with_ops(fp32=[torch.ops.aten.mm.default])
     assert policy.changes == {"aten::mm.default": "fp32"}
     assert _under(policy, torch.ops.aten.mm.default, a.to(bf16), b.to(bf16)).dtype is f32
-    assert _under(policy, torch.mm, a, b).dtype is bf16
+    # torch.mm reaches aten::mm.default at the dispatcher, so the overload's entry applies to it too.
+    assert _under(policy, torch.mm, a, b).dtype is f32
+    padding_only = CPU.with_ops(fp32=[torch.ops.aten.conv1d.padding])
+    assert _under(padding_only, torch.conv1d, _x(1, 2, 5), _x(3, 2, 2)).dtype is bf16  # reaches conv1d.default
     assert policy.category(torch.ops.aten.mm.default) == "fp32"
     assert policy.category(torch.mm) == "lower_precision_fp"
 

@@ -8,16 +8,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from mixprec import _compute, _devices, _errors, _mode, _state
+from mixprec import _cast, _compile, _compute, _devices, _errors, _kernels, _state, _tables
 from mixprec.policies import Policy
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _default_policy(device_type: str) -> Policy:
-    import mixprec.policies as policies
-
-    return getattr(policies, _devices.spec(device_type).policy)  # type: ignore[no-any-return]
 
 
 class autocast:  # noqa: N801 - torch's name
@@ -79,28 +73,27 @@ class autocast:  # noqa: N801 - torch's name
         self._enabled = enabled and _usable(spec, self.fast_dtype)
         self._compute = _compute.check_compute(compute)
         self._emulate = self._enabled and _compute.emulates(self._compute, device_type, self.fast_dtype)
-        self._setting: _state.DeviceSetting | None = None  # made on first entry, then reused
+        self._emulate_ops = (
+            _compute.emulated_ops(self._compute, device_type, self.fast_dtype) if self._enabled else frozenset()
+        )
+        self._setting: _state.Setting | None = None  # made on first entry, then reused
 
     def __enter__(self) -> autocast:
-        state = _state.get()
-        device = self.device
-        if self._policy is None and state.module_policies:  # the innermost module policy (set_module_policy)
-            inner = state.module_policies[-1]
-            setting = _state.DeviceSetting(self._enabled, self.fast_dtype, inner, self._cache_enabled, self._emulate)
-        else:
-            cached = self._setting
-            if cached is None:  # made on first entry, then reused
-                policy = self._policy if self._policy is not None else _default_policy(device)
-                cached = _state.DeviceSetting(
-                    self._enabled, self.fast_dtype, policy, self._cache_enabled, self._emulate
-                )
-                self._setting = cached
-            setting = cached
-        enter(state, {device: setting})
+        setting = self._setting_for(_state.get()) if self._enabled else None
+        enter(self.device, setting, self.fast_dtype, self._enabled, self._cache_enabled)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         leave(_state.get(), 1)
+
+    def _setting_for(self, state: _state.ThreadState) -> _state.Setting:
+        if self._policy is None and state.module_policies:  # the innermost module policy (set_module_policy)
+            return _state.Setting(self.device, state.module_policies[-1], self._emulate, self._emulate_ops)
+        setting = self._setting
+        if setting is None:  # made on first entry, then reused
+            policy = self._policy if self._policy is not None else _tables.default_policy(self.device)
+            setting = self._setting = _state.Setting(self.device, policy, self._emulate, self._emulate_ops)
+        return setting
 
     def __call__(self, func: F) -> F:
         @functools.wraps(func)
@@ -116,6 +109,7 @@ class autocast:  # noqa: N801 - torch's name
         region = autocast.__new__(autocast)
         region.device, region.fast_dtype, region._cache_enabled = self.device, self.fast_dtype, self._cache_enabled
         region._policy, region._enabled, region._emulate = self._policy, self._enabled, self._emulate
+        region._emulate_ops = self._emulate_ops
         region._compute = self._compute
         region._setting = self._setting
         return region
@@ -129,30 +123,65 @@ class autocast:  # noqa: N801 - torch's name
         )
 
 
-def enter(state: _state.ThreadState, settings: dict[str, _state.DeviceSetting]) -> None:
-    """Open one nesting level per device in ``settings``; the mode goes on the stack with the first."""
-    for device, setting in settings.items():
-        state.saved.append((device, state.devices.get(device)))
-        state.devices[device] = setting
-    _refresh(state)
-    if settings and len(state.saved) == len(settings):
-        if state.mode is None:
-            state.mode = _mode.AutocastMode(state)
-        _mode.push(state.mode)
+def enter(
+    device: str, setting: _state.Setting | None, dtype: torch.dtype, enabled: bool, cache_enabled: bool
+) -> None:
+    """Open one nesting level: torch's autocast state for ``device``, and mixprec's setting beside it.
+
+    ``setting=None`` keeps the thread's current mixprec setting (a level that only turns autocast off).
+    """
+    state = _state.get()
+    if setting is not None:
+        _prepare(setting)
+        previous = state.active.get(device)
+        _push(state, device, setting)
+    try:
+        # No cache for a region opened under no_grad: a cached copy made there has no autograd history, and
+        # torch.jit.trace cannot record one (torch's own kernels cache otherwise; mixprec's never do under no_grad).
+        entered = torch.amp._enter_autocast(device, dtype, enabled, cache_enabled and torch.is_grad_enabled())
+    except BaseException:
+        if setting is not None:
+            _pop(state, device, previous)
+        raise
+    state.frames.append(_state.Frame(device, setting is not None, previous if setting is not None else None, entered))
 
 
 def leave(state: _state.ThreadState, levels: int) -> None:
-    """Close ``levels`` nesting levels; the cache and the mode go when the last one closes."""
+    """Close ``levels`` nesting levels; the cast cache goes when the last one closes."""
     for _ in range(levels):
-        device, previous = state.saved.pop()
+        frame = state.frames.pop()
+        torch.amp._exit_autocast(frame.torch_state)
+        if frame.pushed:
+            _pop(state, frame.device_type, frame.previous)
+    if levels and not state.frames:
+        _cast.thread_cache().clear()
+
+
+def _prepare(setting: _state.Setting) -> None:
+    """Register the kernels the setting needs, and note it for a checkpoint's recompute (not traced)."""
+    if torch.compiler.is_compiling():
+        return  # _push's token registers the kernels, eagerly
+    _tables.check_native(setting.device_type)
+    _kernels.ensure(setting)
+
+
+def _push(state: _state.ThreadState, device: str, setting: _state.Setting) -> None:
+    if torch.compiler.is_compiling():
+        _compile.push(_compile.token(device, setting.policy, setting.emulate, setting.emulate_ops))
+    else:
+        state.active[device] = setting
+
+
+def _pop(state: _state.ThreadState, device: str, previous: _state.Setting | None) -> None:
+    if torch.compiler.is_compiling():
         if previous is None:
-            del state.devices[device]
+            _compile.push(_compile.token(device, None, False, frozenset()))
         else:
-            state.devices[device] = previous
-    _refresh(state)
-    if levels and not state.saved:
-        state.cache.clear()
-        _mode.remove(state.mode)
+            _compile.push(_compile.token(device, previous.policy, previous.emulate, previous.emulate_ops))
+    elif previous is None:
+        state.active.pop(device, None)
+    else:
+        state.active[device] = previous
 
 
 def _check_type(name: str, value: object, expected: type, *, optional: bool = False) -> None:
@@ -195,54 +224,21 @@ def _usable(spec: _devices.DeviceSpec, dtype: torch.dtype) -> bool:
     return True
 
 
-def _refresh(state: _state.ThreadState) -> None:
-    if torch.compiler.is_compiling():
-        state.contexts = tuple(_traced_context(device, s) for device, s in state.devices.items() if s.enabled)
-    else:
-        state.contexts = tuple(_context(device, s) for device, s in state.devices.items() if s.enabled)
-
-
-def _traced_context(device: str, setting: _state.DeviceSetting) -> _state.Context:
-    """``_context`` inside a torch.compile trace: the compiled policy comes from a shelf."""
-    compiled = _mode.traced_policy(setting.policy)
-    return _state.Context(
-        device, setting.dtype, setting.policy, compiled.rules, setting.cache_enabled, compiled, setting.emulate
-    )
-
-
-_contexts: dict[tuple[str, torch.dtype, int, bool, bool], _state.Context] = {}
-
-
-def _context(device: str, setting: _state.DeviceSetting) -> _state.Context:
-    """The mode's view of one enabled device (memoized: regions are entered once per step)."""
-    key = (device, setting.dtype, id(setting.policy), setting.cache_enabled, setting.emulate)
-    found = _contexts.get(key)
-    if found is None or found.policy is not setting.policy:
-        compiled = _mode.compile_policy(setting.policy)
-        found = _state.Context(
-            device, setting.dtype, setting.policy, compiled.rules, setting.cache_enabled, compiled, setting.emulate
-        )
-        if len(_contexts) > 256:
-            _contexts.clear()
-        _contexts[key] = found
-    return found
-
-
 def is_autocast_enabled(device_type: str) -> bool:
-    """Whether a mixprec autocast region is enabled for ``device_type`` in this thread."""
+    """Whether autocast is on for ``device_type`` in this thread (torch's state: any region turns it on)."""
     _devices.spec(device_type)
-    setting = _state.get().devices.get(device_type)
-    return setting is not None and setting.enabled
+    return bool(torch.is_autocast_enabled(device_type))
 
 
 def get_autocast_dtype(device_type: str) -> torch.dtype:
-    """The autocast dtype in force for ``device_type`` (its default outside any region)."""
+    """The autocast dtype in force for ``device_type`` (torch's state; its default outside any region)."""
     spec = _devices.spec(device_type)
-    setting = _state.get().devices.get(device_type)
-    return spec.default_dtype if setting is None else setting.dtype
+    if not _state.get().frames and not torch.is_autocast_enabled(device_type):
+        return spec.default_dtype
+    return torch.get_autocast_dtype(device_type)
 
 
 def get_policy(device_type: str) -> Policy:
-    """The policy in force for ``device_type`` (the device's default outside any region)."""
-    setting = _state.get().devices.get(device_type)
-    return _default_policy(device_type) if setting is None else setting.policy
+    """The policy in force for ``device_type`` (the device's default outside any mixprec region)."""
+    setting = _state.get().active.get(device_type)
+    return _tables.default_policy(device_type) if setting is None else setting.policy

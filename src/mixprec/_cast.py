@@ -16,6 +16,7 @@ autocast region, as native autocast does, with three corrections:
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -24,10 +25,22 @@ import torch
 _Tensor = torch.Tensor
 _float32 = torch.float32
 _float64 = torch.float64
-_dtype = torch.dtype
 
 CacheEntry = tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]
 Cache = dict[tuple[int, torch.dtype], CacheEntry]
+
+
+class _ThreadCache(threading.local):
+    def __init__(self) -> None:
+        self.cache: Cache = {}
+
+
+_thread = _ThreadCache()
+
+
+def thread_cache() -> Cache:
+    """This thread's cast cache (cleared when its outermost region exits)."""
+    return _thread.cache
 
 
 def is_eligible(t: torch.Tensor, device_type: str) -> bool:
@@ -73,21 +86,6 @@ def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | 
     if type(value) in (list, tuple) and any(isinstance(v, _Tensor) for v in value):
         return type(value)([cast_tensor(v, dtype, device_type, cache) if isinstance(v, _Tensor) else v for v in value])
     return value
-
-
-def cast_args(
-    args: tuple[Any, ...], dtype: torch.dtype, device_type: str, cache: Cache | None
-) -> tuple[Any, ...] | None:
-    """Cast the positional arguments in one pass; None if one of them is a dtype (the call is not autocast)."""
-    out = []
-    for a in args:
-        if isinstance(a, _Tensor):
-            out.append(cast_tensor(a, dtype, device_type, cache))
-        elif type(a) is _dtype:
-            return None
-        else:
-            out.append(cast_value(a, dtype, device_type, cache))
-    return tuple(out)
 
 
 def cast_call(

@@ -1,34 +1,35 @@
-"""What torch.compile needs to know to trace mixprec without graph breaks.
+"""A mixprec region inside code that torch.compile traces.
 
-Dynamo routes a builtin torch function to the torch-function modes on the stack
-only if the builtin is in its own set of overridable functions, built from
-``torch.overrides.get_overridable_functions()``. That set misses builtins which
-do check for torch-function modes in eager mode but are reached through a private
-namespace: ``torch._C._nn.binary_cross_entropy`` (under ``F.binary_cross_entropy``),
-``torch._VF.norm`` (under ``torch.norm``), the ``_C._nn`` losses and upsampling
-ops. Under torch.compile the mode would never see them, and a policy's rule for
-them (banned, fp32_append_dtype, ...) would silently not apply. ``register``
-adds the builtins a policy names to that set the first time a trace looks the
-policy up (never at import, and never in eager mode, which does not need dynamo).
-The builtins are reached through Python wrappers (``F.binary_cross_entropy``,
-``torch.norm``) that reach the mode first, so the set is complete before dynamo
-meets them.
+Torch's part of a region (``torch.amp._enter_autocast`` / ``_exit_autocast``)
+is understood by dynamo: it enters autocast while tracing and records the
+state change in the graph. mixprec's part, the thread's setting, is put in the
+graph as calls of ``push(token)``, a function dynamo writes into the graph
+unexamined (``allow_in_graph``) and runs on each pass over the graph (its own
+fake-tensor pass, AOTAutograd's trace, the eager backend's run), so the
+kernels at the Autocast keys see the region's policy wherever they run. The
+casts they make end up in the graph; ``push`` itself leaves nothing in an
+ATen graph.
 
 Nothing here imports ``torch._dynamo`` when mixprec is imported: ``constant``
-marks a function as ``torch.compiler.assume_constant_result`` does (that one
-imports dynamo, about a second), and a test checks that the marks agree.
+marks a function as ``torch.compiler.assume_constant_result`` does, and
+``token`` (run eagerly by the trace) registers ``push`` with dynamo.
 """
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-_BUILTINS = (types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType)
+from mixprec import _errors, _guard, _kernels, _state
+from mixprec.policies import Policy
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+_lock = threading.Lock()
+_tokens: dict[int, tuple[str, _state.Setting | None]] = {}
 
 
 def constant(fn: F) -> F:
@@ -38,60 +39,78 @@ def constant(fn: F) -> F:
     return fn
 
 
-_registered: dict[int, Any] = {}  # id(policy) -> policy, for the policies already registered
+@constant
+def token(device_type: str, policy: Policy | None, emulate: bool, emulate_ops: frozenset[str]) -> int:
+    """An int standing for a setting in a graph (None: no setting), its kernels registered (run eagerly)."""
+    _refuse_strict_export()
+    setting = None if policy is None else _state.Setting(device_type, policy, emulate, emulate_ops)
+    if setting is not None:
+        _kernels.ensure(setting)
+    import torch._dynamo
+
+    torch._dynamo.allow_in_graph(push)
+    _guard.guard_trace()
+    _restore_after_trace(device_type)
+    key = hash((device_type, id(policy), emulate, emulate_ops))
+    with _lock:
+        _tokens[key] = (device_type, setting)
+    return key
 
 
-def register(funcs: Iterable[Callable[..., Any]]) -> None:
-    """Let dynamo dispatch ``funcs`` (builtins that honour torch-function modes) to the mode.
-
-    The set is private to dynamo: if a torch release drops it, eager autocast is
-    unaffected and only these builtins go unseen under torch.compile.
-    """
-    try:
-        from torch._dynamo.variables import torch as dynamo_torch
-
-        known = dynamo_torch.get_overridable_functions()
-    except (ImportError, AttributeError):  # pragma: no cover - depends on torch's private layout
+def _refuse_strict_export() -> None:
+    """Strict export keeps autocast only where dynamo sees ``torch.autocast`` itself; say so rather than drop it."""
+    if not torch.compiler.is_exporting():
         return
-    known.update(f for f in funcs if isinstance(f, _BUILTINS) and f not in known)
+    from torch._dynamo.symbolic_convert import InstructionTranslator
 
-
-def call(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``func(*args, **kwargs)`` as dynamo can trace it: a Python ``torch.Tensor`` method
-    (``Tensor.unflatten``, which calls ``super()``) is called as a method of its tensor."""
-    name = getattr(func, "__name__", "")
-    if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, name, None) is func:
-        return getattr(args[0], name)(*args[1:], **kwargs)
-    return func(*args, **kwargs)
-
-
-def register_policy(policy: Any) -> None:
-    """``register`` the builtins that ``policy`` names, once per policy object."""
-    if _registered.get(id(policy)) is not policy:
-        register(policy._by_callable)
-        _registered[id(policy)] = policy
-
-
-@constant
-def category(policy: Any, func: Callable[..., Any]) -> str | None:
-    """``policy``'s category name for ``func``, run eagerly by torch.compile (a constant in the trace)."""
-    register_policy(policy)
     try:
-        found = policy._by_callable.get(func)
-    except TypeError:  # unhashable callable
-        return None
-    return None if found is None else str(found.value)
+        InstructionTranslator.current_tx()
+    except AttributeError:  # non-strict export: the region is recorded as torch.autocast's
+        return
+    raise RuntimeError(
+        _errors.message(
+            "mixprec.autocast cannot be exported with torch.export.export(..., strict=True)",
+            "strict export records an autocast region only where dynamo traces torch.autocast itself, and "
+            "would drop this one silently",
+            fix="Export with strict=False (torch's default), or apply the policy to the exported float32 "
+            "program with mixprec.graph.apply_policy.",
+        )
+    )
 
 
-@constant
-def advice(policy: Any, func: Callable[..., Any]) -> str:
-    """The text a banned ``func`` raises under ``policy`` (a constant in the trace)."""
-    return str(policy.advice(policy._banned_names[func]))
+def _restore_after_trace(device_type: str) -> None:
+    """Dynamo runs ``push`` while tracing; put the thread's settings back when the trace ends, also on failure.
+
+    Torch's autocast dtype too: dynamo restores the enabled flags after a failed trace, not the dtype that
+    ``torch.amp._enter_autocast`` set while tracing.
+    """
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        output = InstructionTranslator.current_tx().output
+    except AttributeError:  # not under dynamo's frame translation (e.g. non-strict export)
+        return
+    if getattr(output, "_mixprec_restores", False):
+        return
+    setattr(output, "_mixprec_restores", True)  # noqa: B010 - a private mark on dynamo's object
+    active = _state.get().active
+    saved = dict(active)
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def restore() -> None:
+        active.clear()
+        active.update(saved)
+        torch.set_autocast_dtype(device_type, dtype)
+
+    output.add_cleanup_hook(restore)
 
 
-@constant
-def expands(policy: Any, func: Callable[..., Any]) -> bool:
-    """Whether ``func`` is a composite to run as its twin under ``policy`` (a constant in the trace)."""
-    from mixprec import _mode
+def push(key: int) -> None:
+    """Make the setting behind ``key`` this thread's setting for its device (None: no setting)."""
+    device_type, setting = _tokens[key]
+    active = _state.get().active
+    if setting is None:
+        active.pop(device_type, None)
+    else:
+        active[device_type] = setting
 
-    return _mode.compile_policy(policy).twin(func) is not None

@@ -203,6 +203,19 @@ def check_compute(compute: object) -> str:
     return compute
 
 
+#: Overloads a device has no low-precision kernel for even where its matrix kernels are native: oneDNN's
+#: RNN primitive has no float16 (measured on an Intel Xeon with AVX512-FP16 and AMX: native autocast raises).
+_NO_NATIVE_KERNEL = {("cpu", torch.float16): frozenset({"aten::mkldnn_rnn_layer"})}
+
+
+@_compile.constant
+def emulated_ops(compute: str, device_type: str, dtype: torch.dtype) -> frozenset[str]:
+    """The overloads ``compute="auto"`` emulates although it runs the others natively."""
+    if compute != "auto" or emulates(compute, device_type, dtype):
+        return frozenset()
+    return _NO_NATIVE_KERNEL.get((device_type, dtype), frozenset())
+
+
 @_compile.constant
 def emulates(compute: str, device_type: str, dtype: torch.dtype) -> bool:
     """Whether a region with these settings emulates its lower_precision_fp ops.

@@ -1,7 +1,8 @@
 """custom_fwd / custom_bwd: autocast for custom autograd Functions.
 
-``custom_fwd`` records whether forward ran under autocast (and in which dtype
-and policy); ``custom_bwd`` runs backward in the same state. With
+``custom_fwd`` records whether forward ran under autocast (torch's state: any
+region counts), in which dtype, and mixprec's setting (policy and compute);
+``custom_bwd`` runs backward in the same state. With
 ``cast_inputs``, forward runs with autocast off on inputs cast to that dtype.
 """
 
@@ -61,18 +62,20 @@ def custom_fwd(
     @functools.wraps(fwd)
     def decorate_fwd(*args: Any, **kwargs: Any) -> Any:
         ctx = args[0]
-        setting = _state.get().devices.get(device_type)
-        enabled = setting is not None and setting.enabled
-        ctx._dtype = _autocast.get_autocast_dtype(device_type)
-        ctx._mixprec_policy = _autocast.get_policy(device_type)
+        enabled = torch.is_autocast_enabled(device_type)
+        ctx._dtype = torch.get_autocast_dtype(device_type)
+        ctx._mixprec_setting = _state.get().active.get(device_type)
         if cast_inputs is None:
             ctx._fwd_used_autocast = enabled
             return fwd(*args, **kwargs)
         ctx._fwd_used_autocast = False
         if not enabled:
             return fwd(*args, **kwargs)
-        with _autocast.autocast(device_type, enabled=False):
+        _autocast.enter(device_type, None, ctx._dtype, False, torch.is_autocast_cache_enabled())
+        try:
             return fwd(*_cast_inputs(args, device_type, cast_inputs), **_cast_inputs(kwargs, device_type, cast_inputs))
+        finally:
+            _autocast.leave(_state.get(), 1)
 
     return decorate_fwd
 
@@ -86,12 +89,11 @@ def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> An
     @functools.wraps(bwd)
     def decorate_bwd(*args: Any, **kwargs: Any) -> Any:
         ctx = args[0]
-        with _autocast.autocast(
-            device_type,
-            dtype=ctx._dtype,
-            enabled=ctx._fwd_used_autocast,
-            policy=ctx._mixprec_policy,
-        ):
+        setting = ctx._mixprec_setting if ctx._fwd_used_autocast else None
+        _autocast.enter(device_type, setting, ctx._dtype, ctx._fwd_used_autocast, torch.is_autocast_cache_enabled())
+        try:
             return bwd(*args, **kwargs)
+        finally:
+            _autocast.leave(_state.get(), 1)
 
     return decorate_bwd

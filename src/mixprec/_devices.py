@@ -55,6 +55,14 @@ DEVICES: dict[str, DeviceSpec] = {
 }
 
 
+def torch_knows(device_type: str) -> bool:
+    """Whether torch has autocast state for the device type (it may still be absent from this machine)."""
+    try:
+        return bool(torch._C._is_autocast_available(device_type))
+    except RuntimeError:
+        return False
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -46,7 +46,6 @@ low-precision inputs and recomputes their upcast in backward.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -54,21 +53,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from mixprec import _emulate_kernels, _state
+from mixprec import _emulate_kernels
 
 _Tensor = torch.Tensor
 
 
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """Switch mixprec's interception off in this thread (a backward may run inside a region)."""
-    state = _state.get()
-    contexts = state.contexts
-    state.contexts = ()
-    try:
-        yield
-    finally:
-        state.contexts = contexts
+def paused() -> Any:
+    """Autocast off in this thread (a backward may run inside a region, or in a checkpoint's recompute)."""
+    return torch._C._DisableAutocast()
 
 
 def up(t: torch.Tensor | None, low: torch.dtype) -> Any:
@@ -160,7 +152,10 @@ class _Recompute(torch.autograd.Function):
         ctx.devices, ctx.device_rng = get_device_states(*tensors)
         ctx.save_for_backward(*_saved(tensors, sources, [True] * len(tensors)))
         out = call(*(up(t, low) for t in tensors))
-        outs = tuple(down(t, low) for t in out if isinstance(t, _Tensor))
+        # Where the tensors are among the outputs: a recompute with grad on may return more of them
+        # (mkldnn_rnn_layer's workspace is undefined without grad).
+        ctx.positions = [i for i, t in enumerate(out) if isinstance(t, _Tensor)]
+        outs = tuple(down(out[i], low) for i in ctx.positions)
         ctx.mark_non_differentiable(*(t for t in outs if not t.is_floating_point()))
         return outs
 
@@ -175,7 +170,8 @@ class _Recompute(torch.autograd.Function):
         with torch.random.fork_rng(devices=ctx.devices), paused(), torch.enable_grad():
             torch.set_rng_state(ctx.rng)
             set_device_states(ctx.devices, ctx.device_rng)
-            outs = [t for t in ctx.call(*inputs) if isinstance(t, _Tensor)]
+            again = ctx.call(*inputs)
+            outs = [again[i] for i in ctx.positions]
         pairs = [(o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad]
         wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
         found = iter(

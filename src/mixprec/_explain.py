@@ -5,7 +5,9 @@ Algorithm::
     entry    = the op's own name if the policy lists it, else its op's name
                (``aten::mm.default`` -> ``mm``), else none
     category = policy.table[entry]
-    runs_in  = the category's rule in _mode applied to the input dtypes:
+    (the device's default policy: only if torch has an Autocast kernel for the op, as
+     mixprec then leaves the op to torch; see _tables.check_native)
+    runs_in  = the category's rule in _rules applied to the input dtypes:
                eligible inputs (floating, not float64) are cast, then torch's
                type promotion gives the dtype the op computes and returns in
     source   = "user change" if entry differs from the policy's base,
@@ -19,7 +21,7 @@ import functools
 
 import torch
 
-from mixprec import _autocast, _devices, _errors
+from mixprec import _autocast, _devices, _errors, _tables
 from mixprec.policies import _names, _serial
 from mixprec.policies._policy import Category, Policy
 
@@ -109,10 +111,15 @@ def explain(
     name = _names.op_name(_names.dispatched(op), policy.table)
     entry = next((n for n in _entries(name) if n in policy.table), None)
     category = None if entry is None else policy.table[entry]
+    if category is not None and not _torch_applies(policy, device_type, name):
+        entry, category = None, None
     cast, runs_in, raises = _run(category, dtype, inputs, policy, entry)
     note = None
     if category is None and "::" in name and not name.startswith("aten::"):
         runs_in, note = None, _CUSTOM_NOTE
+    elif "." not in name and any(k.startswith((f"aten::{name}.", f"{name}.")) for k in policy.table):
+        overloads = sorted(k for k in policy.table if k.startswith((f"aten::{name}.", f"{name}.")))
+        runs_in, note = None, _OVERLOAD_NOTE.format(overloads=", ".join(overloads))
     return Explanation(
         op=name,
         entry=entry,
@@ -134,6 +141,20 @@ _CUSTOM_NOTE = (
     "so the ops the kernel calls are autocast by their own categories. Give the op a category with "
     "Policy.with_ops to fix its dtype."
 )
+
+
+_OVERLOAD_NOTE = (
+    "the policy lists overloads of this op on their own ({overloads}); a call takes their category when it "
+    "reaches one of them at the dispatcher (torch.softmax(x, -1) reaches aten::softmax.int), else this one."
+)
+
+
+def _torch_applies(policy: Policy, device_type: str, name: str) -> bool:
+    """False for an entry of the device's own default table that this torch has no Autocast kernel for."""
+    if policy is not _tables.default_policy(device_type) or _tables.autocast_key(device_type) is None:
+        return True
+    ops = _tables.overloads(name)
+    return not ops or any(op in _tables.native(device_type) for op in ops)
 
 
 def _input_dtypes(given: object) -> tuple[torch.dtype, ...]:
@@ -180,7 +201,7 @@ def _run(
 
 
 def _promote(dtype: torch.dtype, inputs: tuple[torch.dtype, ...]) -> torch.dtype | None:
-    """As ``_mode.promote_dtype``: float32 at the first float32, an error at another dtype first."""
+    """As ``_rules.promote_dtype``: float32 at the first float32, an error at another dtype first."""
     for d in inputs:
         if not _eligible(d) or d is dtype:
             continue

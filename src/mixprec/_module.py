@@ -3,15 +3,16 @@
 ``set_module_policy(module, policy)`` registers a forward pre-hook and a forward
 hook. While the module's forward runs (its children's too):
 
-* with a :class:`Policy`, every open autocast region, enabled or not, uses that
-  policy, and a region opened inside with ``policy=None`` uses it too;
+* with a :class:`Policy`, every device whose autocast is on (whoever turned it
+  on: ``mixprec.autocast``, ``torch.autocast``, a checkpoint's recompute) uses
+  that policy, and a region opened inside with ``policy=None`` uses it too;
 * with ``"fp32"``, the floating inputs of every enabled device are cast to
   float32 and autocast is off (a region opened inside turns it on again).
 
 Algorithm::
 
-    pre-hook:  settings = open regions with the policy swapped in (or disabled)
-               cast inputs to float32 if "fp32"; enter(settings); push a frame
+    pre-hook:  for each device with autocast on: enter a level with the policy
+               (or, for "fp32", cast inputs to float32 and enter a disabled level); push a frame
     forward:   runs; nested modules push and pop their own frames
     hook:      if the top frame is this hook's: pop it; leave(its levels)
 
@@ -28,10 +29,15 @@ from typing import Any
 
 import torch
 
-from mixprec import _autocast, _custom, _errors, _state
+from mixprec import _autocast, _custom, _devices, _errors, _recompute, _state
 from mixprec.policies import Policy
 
 FP32 = "fp32"
+
+
+def _enabled_devices() -> list[str]:
+    """The device types whose autocast is on in this thread (torch's state)."""
+    return [d for d in _devices.DEVICES if _devices.torch_knows(d) and torch.is_autocast_enabled(d)]
 
 
 class _Frames(threading.local):
@@ -130,16 +136,24 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
 
     def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         state = _state.get()
-        if isinstance(policy, Policy):
-            settings = {d: dataclasses.replace(s, policy=policy) for d, s in state.devices.items()}
-            state.module_policies.append(policy)
-        else:
-            settings = {d: dataclasses.replace(s, enabled=False) for d, s in state.devices.items() if s.enabled}
-            for device in settings:
+        devices = _enabled_devices()
+        for device in devices:
+            dtype, cache = torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled()
+            if isinstance(policy, Policy):
+                current = state.active.get(device) or _recompute.setting(device)
+                setting = (
+                    _state.Setting(device, policy, from_module=True)
+                    if current is None
+                    else dataclasses.replace(current, policy=policy, from_module=True)
+                )
+                _autocast.enter(device, setting, dtype, True, cache)
+            else:
                 args = _custom._cast_inputs(args, device, torch.float32)
                 kwargs = _custom._cast_inputs(kwargs, device, torch.float32)
-        _autocast.enter(state, settings)
-        _frames.stack.append((token, len(settings), isinstance(policy, Policy)))
+                _autocast.enter(device, None, dtype, False, cache)
+        if isinstance(policy, Policy):
+            state.module_policies.append(policy)
+        _frames.stack.append((token, len(devices), isinstance(policy, Policy)))
         return args, kwargs
 
     def hook(mod: torch.nn.Module, args: Any, output: Any) -> None:

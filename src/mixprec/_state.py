@@ -1,64 +1,68 @@
-"""Autocast state: thread-local, per device type, restored on exit.
+"""mixprec's own thread-local state, beside torch's autocast state.
 
-Each thread has one ``ThreadState``: the settings of every device type, the
-nesting depth shared by all devices, the cast cache, and the single
-interception mode that is on the torch-function mode stack while any region is
-open. A new thread starts with no region open, so autocast is off there.
+A region sets torch's autocast state for its device (enabled, dtype, cache,
+nesting), so everything that asks torch sees it. What torch has no slot for,
+the policy and the compute choice, lives here: for each device, the innermost
+mixprec ``Setting`` of this thread. The kernels at the Autocast keys read it;
+a thread with no setting for a device (a plain ``torch.autocast`` region) gets
+the device's native behaviour.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from mixprec import _cast
 from mixprec.policies import Policy
 
 
-@dataclasses.dataclass(frozen=True)
-class Context:
-    """One enabled device's autocast settings, as the mode reads them."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class Setting:
+    """What a mixprec region adds to torch's state for one device: the policy and the compute."""
 
     device_type: str
-    dtype: torch.dtype
     policy: Policy
-    rules: dict[Callable[..., Any], Callable[..., Any]]
-    cache_enabled: bool
-    compiled: Any  # mixprec._mode.Compiled: the rules above, and which composites to expand
-    emulate: bool = False  # compute lower_precision_fp ops with float32 kernels (mixprec._emulate)
+    emulate: bool = False  # every lower_precision_fp op computes emulated
+    emulate_ops: frozenset[str] = frozenset()  # these overloads too, under native compute (compute="auto")
+    from_module: bool = False  # set by set_module_policy's hook (which runs again in a checkpoint's recompute)
+
+    @property
+    def key(self) -> tuple[str, int, bool, frozenset[str], bool]:
+        return (self.device_type, id(self.policy), self.emulate, self.emulate_ops, self.from_module)
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceSetting:
-    enabled: bool
-    dtype: torch.dtype
-    policy: Policy
-    cache_enabled: bool
-    emulate: bool = False
+@dataclasses.dataclass
+class Frame:
+    """One open region level: what to restore when it closes."""
+
+    device_type: str
+    pushed: bool  # whether the level set a mixprec setting (a disabled level keeps the one in force)
+    previous: Setting | None  # this thread's mixprec setting for the device before the level
+    torch_state: Any  # what torch.amp._enter_autocast returned, for _exit_autocast; None if not entered
 
 
 class ThreadState(threading.local):
     def __init__(self) -> None:
-        self.devices: dict[str, DeviceSetting] = {}
-        self.saved: list[tuple[str, DeviceSetting | None]] = []
-        self.contexts: tuple[Context, ...] = ()
-        self.cache: _cast.Cache = {}
-        self.mode: Any = None
-        self.expanding: list[Callable[..., Any]] = []
+        self.active: dict[str, Setting] = {}  # device type -> innermost mixprec setting
+        self.frames: list[Frame] = []
         self.module_policies: list[Policy] = []  # set_module_policy: innermost last
 
     @property
     def nesting(self) -> int:
-        return len(self.saved)
+        return len(self.frames)
 
 
 _state = ThreadState()
 
 
 def get() -> ThreadState:
-    """This thread's autocast state."""
+    """This thread's mixprec state."""
     return _state
+
+
+def torch_enabled(device_type: str) -> bool:
+    """Whether torch's autocast is on for ``device_type`` in this thread (whoever turned it on)."""
+    return bool(torch.is_autocast_enabled(device_type))

@@ -1,18 +1,19 @@
 """A per-op recorder: which op ran, where, in which dtypes, and with what values.
 
-The recorder is a ``TorchFunctionMode`` entered *before* (below) an autocast
-region, so it sees each call after autocast has cast its inputs, and it sees the
-casts themselves (calls made from ``mixprec._cast``). Module forward pre/post
-hooks keep a stack of module paths (as in ``named_modules``); the source line is
-the first Python frame outside torch and mixprec.
+The recorder is a ``TorchFunctionMode`` for the torch calls (the op's name,
+module and source line, its outputs) with a ``TorchDispatchMode`` beside it
+for what happens below autocast: autocast's casts are ``aten::_to_copy`` calls
+made at the Autocast dispatch key (by torch's kernels or mixprec's), inside the
+torch call whose inputs they cast. Module forward pre/post hooks keep a stack
+of module paths (as in ``named_modules``); the source line is the first Python
+frame outside torch and mixprec.
 
-Algorithm for each call ``func(*args, **kwargs)``::
+Algorithm for each torch call ``func(*args, **kwargs)`` with a floating output::
 
-    out = func(*args, **kwargs)                     # the mode is off inside: no recursion
-    if the caller is mixprec's cast helper:          # an autocast cast
-        pending.casts += 1; pending.created += new non-finite values
-    elif out holds a floating tensor:
-        append OpRecord(op, module stack top, user frame, dtypes, pending casts, non-finite counts)
+    out = func(*args, **kwargs)            # the dispatch mode counts the _to_copy calls inside,
+                                           # unless func is itself a cast (Tensor.float, .to, ...)
+    append OpRecord(op, module stack top, user frame, input dtypes after the casts,
+                    casts, non-finite values the casts created, non-finite counts)
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import mixprec
@@ -33,8 +35,8 @@ _MIXPREC_DIR = os.path.dirname(os.path.abspath(mixprec.__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _DIAGNOSTICS_DIR = os.path.join(_MIXPREC_DIR, "diagnostics") + os.sep
 _TORCH_DISPATCH = os.path.join(_TORCH_DIR, "overrides.py")
-_CAST_FILE = os.path.join(_MIXPREC_DIR, "_cast.py")
-_CAST_METHODS = frozenset({"to", "bfloat16", "half", "float"})  # what mixprec._cast.to calls
+_USER_CASTS = frozenset({"to", "bfloat16", "half", "float", "double", "type", "type_as"})  # casts by the user
+_TO_COPY = torch.ops.aten._to_copy.default
 _SKIP = frozenset({"__get__", "__set__", "dim", "size", "numel", "stride", "is_floating_point", "item", "tolist"})
 
 
@@ -106,7 +108,53 @@ def op_name(func: Any) -> str:
     return name or getattr(func, "__qualname__", None) or repr(func)
 
 
-class Recorder(TorchFunctionMode):
+class _Casts(TorchDispatchMode):
+    """Below autocast: counts ``aten::_to_copy`` calls and the non-finite values they create."""
+
+    def __init__(self, measure: bool) -> None:
+        super().__init__()
+        self.measure = measure
+        self.count = 0
+        self.created = 0
+        self.casts_of: dict[int, torch.dtype] = {}  # id of a cast tensor -> the dtype it was cast to
+        self.user_cast = 0  # > 0 while a cast the user called runs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if func is _TO_COPY and not self.user_cast and isinstance(out, torch.Tensor):
+            self.count += 1
+            self.casts_of[id(args[0])] = out.dtype
+            if self.measure:
+                self.created += max(0, nonfinite([out]) - nonfinite([args[0]]))
+        return out
+
+
+class _Tap(TorchFunctionMode):
+    """A torch-function mode with a ``_Casts`` dispatch mode under it."""
+
+    def __init__(self, measure: bool) -> None:
+        super().__init__()
+        self.below = _Casts(measure)
+
+    def __enter__(self) -> Any:
+        self.below.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        super().__exit__(*exc_info)
+        self.below.__exit__(*exc_info)
+
+    def _call(self, func: Any, args: Any, kwargs: Any) -> Any:
+        if getattr(func, "__name__", "") in _USER_CASTS:
+            self.below.user_cast += 1
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.below.user_cast -= 1
+        return func(*args, **kwargs)
+
+
+class Recorder(_Tap):
     """Records every torch call with a floating output while active.
 
     Args:
@@ -121,15 +169,14 @@ class Recorder(TorchFunctionMode):
     """
 
     def __init__(self, model: torch.nn.Module, *, keep_outputs: bool = True) -> None:
-        super().__init__()
+        super().__init__(measure=True)
         self.records: list[OpRecord] = []
         self._model = model
         self._keep = keep_outputs
         self._stack: list[str] = []
         self._seen: Counter[tuple[str, str]] = Counter()
-        self._pending_casts = 0
-        self._pending_created = 0
         self._handles: list[Any] = []
+        self._weights: dict[int, torch.dtype] = {}  # cached weight casts, as the cache reuses them
 
     def __enter__(self) -> Recorder:
         for name, module in self._model.named_modules():
@@ -157,21 +204,33 @@ class Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        casts = self.below
+        count, created = casts.count, casts.created
+        casts.casts_of = {}
+        out = self._call(func, args, kwargs)
         if getattr(func, "__name__", "") in _SKIP:
             return out
         outputs = [t for t in _tensors(out) if t.is_floating_point()]
         if not outputs:
             return out
         inputs = _tensors((args, kwargs))
-        if os.path.abspath(sys._getframe(1).f_code.co_filename) == _CAST_FILE:
-            self._pending_casts += 1
-            self._pending_created += max(0, nonfinite(outputs) - nonfinite(inputs))
-            return out
-        self._record(func, inputs, outputs)
+        self._record(func, inputs, outputs, casts.count - count, casts.created - created)
         return out
 
-    def _record(self, func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    def _input_dtype(self, t: torch.Tensor) -> str:
+        """The dtype the op received ``t`` in: its cast in this call, or a cached weight's earlier cast."""
+        cast = self.below.casts_of.get(id(t))
+        if cast is not None:
+            if t.is_leaf and t.requires_grad:
+                self._weights[id(t)] = cast
+            return str(cast).removeprefix("torch.")
+        weight = t.is_leaf and t.requires_grad and torch.is_autocast_enabled(t.device.type)
+        cached = self._weights.get(id(t)) if weight else None
+        return str(cached or t.dtype).removeprefix("torch.")
+
+    def _record(
+        self, func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], casts: int, created: int
+    ) -> None:
         name = op_name(func)
         module = self._stack[-1] if self._stack else ""
         occurrence = self._seen[(module, name)]
@@ -183,28 +242,34 @@ class Recorder(TorchFunctionMode):
                 op=name,
                 module=module,
                 source=user_source(),
-                input_dtypes=[_dtype_name(t) for t in inputs],
+                input_dtypes=[self._input_dtype(t) for t in inputs],
                 output_dtypes=[_dtype_name(t) for t in outputs],
-                casts=self._pending_casts,
-                cast_nonfinite=self._pending_created,
+                casts=casts,
+                cast_nonfinite=created,
                 nonfinite_inputs=nonfinite(inputs),
                 nonfinite_outputs=nonfinite(outputs),
                 key=(module, name, occurrence),
                 output=kept,
             )
         )
-        self._pending_casts = self._pending_created = 0
 
 
-class CastCounter(TorchFunctionMode):
-    """Counts the casts autocast makes while active (enter it before the autocast region)."""
+class CastCounter(_Tap):
+    """Counts the casts autocast makes while active (``aten::_to_copy`` calls not made by the user's own casts).
+
+    Example:
+        >>> with CastCounter() as counter, mixprec.autocast("cpu"):
+        ...     torch.nn.Linear(4, 4)(torch.randn(2, 4))
+        >>> counter.casts
+        3
+    """
 
     def __init__(self) -> None:
-        super().__init__()
-        self.casts = 0
+        super().__init__(measure=False)
+
+    @property
+    def casts(self) -> int:
+        return self.below.count
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        caller = os.path.abspath(sys._getframe(1).f_code.co_filename)
-        if getattr(func, "__name__", "") in _CAST_METHODS and caller == _CAST_FILE:
-            self.casts += 1
-        return func(*args, **(kwargs or {}))
+        return self._call(func, args, kwargs or {})

@@ -48,26 +48,26 @@ def _difference(default: Policy, documented: Policy) -> list[str]:
     return [*lines, ""]
 
 
-#: Divergences of the design itself, not of one table entry.
+#: How a table applies, and where mixprec's kernels differ from torch's on purpose.
 _BEHAVIOUR = (
-    "An explicit `dtype=` makes a call ineligible, as the references say; the whole call runs "
-    "uncast (ATen still casts the other arguments of a few ops).",
-    "In eval mode under no_grad, `nn.TransformerEncoderLayer` and `nn.MultiheadAttention` skip "
-    "torch's fused inference fast path whenever a TorchFunctionMode is active, so under mixprec "
-    "they run their standard path (the result native gives with "
-    "`torch.backends.mha.set_fastpath_enabled(False)`, bit for bit).",
+    "Under a device's default policy with native compute, mixprec registers no kernel: torch's own "
+    "autocast runs, so the result is native's, bit for bit. Torch registers some ops for a few "
+    "overloads only (`softmax.int`, `_convolution.deprecated`); where a policy keeps an op's "
+    "category, torch's registrations decide overload by overload.",
+    "An op a policy moves, adds or removes gets a mixprec kernel at the device's Autocast key, for "
+    "all its functional overloads (an `aten::op.overload` entry: that overload only). `out=` and "
+    "in-place overloads are never autocast. A removed op falls through, as an unlisted op does "
+    "natively: a composite such as `einsum` decomposes, and the listed ops it reaches are cast.",
+    "A banned op raises only when an eligible tensor (floating, on the device, not float64) is among "
+    "its inputs; torch's CUDA ban raises for any input.",
+    "mixprec's kernels skip the weight-cast cache under `no_grad` (a copy made there has no autograd "
+    "history) and recast a weight whose version counter moved.",
 )
 
 
 def _divergences() -> list[str]:
-    from mixprec.policies import cpu
-
-    lines = ["## Where mixprec differs from native CPU autocast", ""]
+    lines = ["## How the tables apply", ""]
     lines += [f"- {text}" for text in _BEHAVIOUR]
-    lines += ["", "C++ composites that run uncast (no category at the outer call reproduces native):", ""]
-    lines += [f"- `{name}`: {why}" for name, why in cpu.UNLISTED_COMPOSITES.items()]
-    lines += ["", "Listed composites, on the inputs where native takes another path:", ""]
-    lines += [f"- `{name}`: {why}" for name, why in cpu.COMPOSITE_EXCEPTIONS.items()]
     return [*lines, ""]
 
 

@@ -1,0 +1,188 @@
+"""mixprec's kernels at the Autocast dispatch keys: registered lazily, once per overload, and kept.
+
+A region whose policy or compute differs from torch's native autocast needs a
+kernel for each overload where they differ (``_tables.effective``), and under
+emulated compute one for each ``lower_precision_fp`` overload. ``ensure``
+registers the missing ones through ``torch.library`` the first time a region
+needs them; they stay for the life of the process, as a registration costs
+about 0.1 ms and torch.compile caches graphs against the kernels it saw.
+
+Each kernel serves every thread and every region::
+
+    setting = this thread's innermost mixprec setting for the device
+    table   = the setting's categories, or torch's native ones if there is none
+              (a plain torch.autocast region, or a checkpoint's recompute: see _recompute)
+    rule    = table[op]
+    if no rule: redispatch below the Autocast key with autocast still on (torch's fallthrough)
+    else:       with the Autocast key excluded: rule(op, ...)  (casts, then the op below autocast)
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mixprec import _errors, _guard, _recompute, _rules, _state, _tables
+from mixprec.policies import Category, Policy
+
+Op = torch._ops.OpOverload
+Entry = tuple[_rules.Rule, bool]  # the rule, and whether it computes emulated
+_LOWER = Category.LOWER_PRECISION_FP
+
+_lock = threading.Lock()
+_libraries: dict[str, torch.library.Library] = {}  # namespace -> the Library holding mixprec's kernels
+_registered: dict[str, set[Op]] = {}  # autocast key -> overloads with a mixprec kernel
+_ensured: dict[tuple[str, int, bool, frozenset[str], bool], Policy] = {}
+
+
+def registered(device_type: str) -> frozenset[Op]:
+    """The overloads that have a mixprec kernel at the device's Autocast key."""
+    key = _tables.autocast_key(device_type)
+    return frozenset(_registered.get(key, ())) if key is not None else frozenset()
+
+
+def needed(setting: _state.Setting) -> frozenset[Op]:
+    """The overloads that need a mixprec kernel for ``setting``."""
+    table, changed = _tables.effective(setting.policy, setting.device_type)
+    return changed | {op for op, category in table.items() if category is _LOWER and _emulated(setting, op)}
+
+
+def _emulated(setting: _state.Setting, op: Op) -> bool:
+    return setting.emulate or (bool(setting.emulate_ops) and _tables.qualified(op) in setting.emulate_ops)
+
+
+def ensure(setting: _state.Setting) -> None:
+    """Register the kernels ``setting`` needs and does not have yet (memoized per setting)."""
+    if _ensured.get(setting.key) is setting.policy:
+        return
+    key = _tables.autocast_key(setting.device_type)
+    native_only = key is None and setting.policy is _tables.default_policy(setting.device_type) and not setting.emulate
+    ops = frozenset() if native_only else needed(setting)  # without a key, torch's (or the backend's) kernels run
+    if ops:
+        if key is None:
+            raise RuntimeError(
+                _errors.message(
+                    f"Cannot apply this policy on {setting.device_type!r}",
+                    "torch exposes no Autocast dispatch key for the device to Python, so only its native "
+                    "autocast can run there",
+                    received={"device_type": setting.device_type, "policy": setting.policy.name},
+                    fix="Use the device's default policy with compute='native' there.",
+                )
+            )
+        register(key, setting.device_type, ops)
+    if len(_ensured) > 1024:
+        _ensured.clear()
+    _ensured[setting.key] = setting.policy
+
+
+def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
+    """Give each overload in ``ops`` a mixprec kernel at ``key`` (those it has already keep theirs)."""
+    grew = False
+    with _lock:
+        _tables.native_registrations(key)  # read torch's own list before adding to it
+        done = _registered.setdefault(key, set())
+        for op in sorted(ops - done, key=_tables.qualified):
+            namespace = op.overloadpacket._qualified_op_name.split("::")[0]
+            library = _libraries.get(namespace)
+            if library is None:
+                library = _libraries[namespace] = torch.library.Library(namespace, "IMPL")
+            name = op.overloadpacket.__name__ + ("" if op._overloadname == "default" else f".{op._overloadname}")
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*Warning only once for all operators.*")
+                warnings.filterwarnings("ignore", message=".*previously registered kernel.*")
+                library.impl(name, _kernel(op, device_type, key), key, with_keyset=True)
+            done.add(op)
+            grew = True
+    if grew and "torch._dynamo" in sys.modules and not torch.compiler.is_compiling():
+        # Graphs compiled before saw no kernel for these ops and carry no guard on mixprec's settings.
+        torch._dynamo.reset()
+
+
+def reset() -> None:
+    """Drop every mixprec kernel: torch's own kernels are back (for tests that need pristine native)."""
+    with _lock:
+        for library in _libraries.values():
+            library._destroy()
+        _libraries.clear()
+        _registered.clear()
+        _ensured.clear()
+
+
+_compiled: dict[tuple[str, int, bool, frozenset[str], bool], tuple[Policy, dict[Op, Entry]]] = {}
+_native: dict[str, dict[Op, Entry]] = {}
+
+
+def _entries(policy: Policy, table: dict[Op, Category], setting: _state.Setting | None) -> dict[Op, Entry]:
+    out: dict[Op, Entry] = {}
+    for op, category in table.items():
+        if category is Category.BANNED:
+            out[op] = (_rules.banned(policy.advice(_banned_name(policy, op))), False)
+        else:
+            emulate = setting is not None and category is _LOWER and _emulated(setting, op)
+            out[op] = (_rules.RULES[category], emulate)
+    return out
+
+
+def _banned_name(policy: Policy, op: Op) -> str:
+    overload = _tables.qualified(op)
+    packet = op.overloadpacket._qualified_op_name.removeprefix("aten::")
+    for name in (overload.removeprefix("aten::"), overload, packet):
+        if name in policy.table:
+            return name
+    return overload.removeprefix("aten::").split(".")[0]
+
+
+def entries(setting: _state.Setting) -> dict[Op, Entry]:
+    """``{overload: (rule, emulate)}`` for a setting (memoized per setting)."""
+    hit = _compiled.get(setting.key)
+    if hit is not None and hit[0] is setting.policy:
+        return hit[1]
+    table, _ = _tables.effective(setting.policy, setting.device_type)
+    found = _entries(setting.policy, table, setting)
+    if len(_compiled) > 256:
+        _compiled.clear()
+    _compiled[setting.key] = (setting.policy, found)
+    return found
+
+
+def native_entries(device_type: str) -> dict[Op, Entry]:
+    """``{overload: (rule, False)}`` reproducing torch's native autocast on the device."""
+    found = _native.get(device_type)
+    if found is None:
+        policy = _tables.default_policy(device_type)
+        found = _native[device_type] = _entries(policy, _tables.native(device_type), None)
+    return found
+
+
+def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
+    dispatch_key = getattr(torch._C.DispatchKey, key)
+    exclude = torch._C.DispatchKeySet(dispatch_key)
+    after = torch._C._dispatch_keyset_full_after(dispatch_key)
+    get_dtype = torch.get_autocast_dtype
+    task_id = torch._C._current_graph_task_id
+    is_compiling = torch.compiler.is_compiling
+    state = _state.get()
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_compiling():
+            _guard.guard_trace()
+        setting = state.active.get(device_type)
+        if setting is None:
+            setting = _recompute.setting(device_type)
+        elif task_id() < 0:
+            _recompute.record(setting)
+        table = native_entries(device_type) if setting is None else entries(setting)
+        entry = table.get(op)
+        if entry is None:
+            return op.redispatch(keyset & after, *args, **kwargs)
+        rule, emulate = entry
+        with torch._C._ExcludeDispatchKeyGuard(exclude):
+            return rule(op, device_type, get_dtype(device_type), emulate, args, kwargs)
+
+    kernel.__name__ = f"mixprec_autocast_{op.overloadpacket.__name__}"
+    return kernel

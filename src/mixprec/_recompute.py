@@ -1,0 +1,105 @@
+"""Which mixprec setting a checkpoint's recompute needs.
+
+``torch.utils.checkpoint`` recomputes a forward inside backward, outside any
+mixprec region, under a ``torch.autocast`` it re-enters with the enabled flag,
+dtype and cache flag it captured. Torch has no slot for the policy and the
+compute, so mixprec's kernels leave them on the checkpoint's own record of the
+forward, and read them back during the recompute::
+
+    forward, in a kernel running under a setting:
+        non-reentrant (grad on):  the _CheckpointFrame behind the innermost saved-tensor hooks
+        reentrant (grad off):     the ctx of the enclosing CheckpointFunction.forward
+        -> record[device] = setting          (once per checkpoint call)
+    recompute, in a kernel with no setting of its own (backward, graph task >= 0):
+        non-reentrant: the frame behind the recomputation hooks;  reentrant: CheckpointFunction.backward's ctx
+        -> record[device], or torch's native behaviour if none was left
+
+Only kernels record, which is enough: an op with no mixprec kernel runs the same
+in forward and in recompute, and if no kernel ran in a checkpointed forward,
+none runs in its recompute either. Module policies record nothing: their hooks
+run again during recompute and set their setting themselves. These are
+torch.utils.checkpoint's private structures; tests/test_interop.py pins them.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from mixprec import _state
+
+_ATTRIBUTE = "_mixprec_settings"
+_no_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_codes: dict[str, Any] = {}
+
+
+def _checkpoint_code(name: str) -> Any:
+    """``CheckpointFunction.forward`` / ``.backward``'s code objects (looked up once)."""
+    code = _codes.get(name)
+    if code is None:
+        from torch.utils.checkpoint import CheckpointFunction
+
+        code = _codes[name] = getattr(CheckpointFunction, name).__code__
+    return code
+
+
+def _frame_of(hook: Any) -> Any:
+    """The ``_CheckpointFrame`` a checkpoint's saved-tensor hook closes over, or None."""
+    while hasattr(hook, "__wrapped__"):  # the recomputation hook is wrapped in torch._dynamo.disable
+        hook = hook.__wrapped__
+    code = getattr(hook, "__code__", None)
+    if code is None or not hook.__closure__:
+        return None
+    for name, cell in zip(code.co_freevars, hook.__closure__, strict=False):
+        if name == "frame":
+            found = cell.cell_contents
+        elif name == "target_frame_ref":
+            found = cell.cell_contents()
+        else:
+            continue
+        return found if type(found).__name__ == "_CheckpointFrame" else None
+    return None
+
+
+def _reentrant_ctx(code: Any) -> Any:
+    """The ``ctx`` of the innermost ``CheckpointFunction`` frame running ``code``, or None."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is code:
+            return frame.f_locals.get("ctx")
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _holder(forward: bool) -> Any:
+    hooks = _no_hooks(False)
+    if hooks is not None:
+        return _frame_of(hooks[0])
+    if forward and torch.is_grad_enabled():
+        return None
+    return _reentrant_ctx(_checkpoint_code("forward" if forward else "backward"))
+
+
+def record(setting: _state.Setting) -> None:
+    """In forward: leave ``setting`` on the checkpoint running this code, if any."""
+    if setting.from_module or torch.compiler.is_compiling():
+        return
+    holder = _holder(forward=True)
+    if holder is None:
+        return
+    settings = getattr(holder, _ATTRIBUTE, None)
+    if settings is None:
+        settings = {}
+        setattr(holder, _ATTRIBUTE, settings)
+    settings.setdefault(setting.device_type, setting)
+
+
+def setting(device_type: str) -> _state.Setting | None:
+    """In a recompute: the setting its forward left for ``device_type`` (None: native)."""
+    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() < 0:
+        return None
+    holder = _holder(forward=False)
+    settings = getattr(holder, _ATTRIBUTE, None) if holder is not None else None
+    return None if settings is None else settings.get(device_type)

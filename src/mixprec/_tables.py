@@ -1,0 +1,175 @@
+"""Policies as the dispatcher sees them: a category for each ATen op overload.
+
+Native autocast registers a kernel at a device's Autocast key for some
+overloads of the ops its table lists (``softmax.int`` but not
+``softmax.Dimname``, ``_convolution.deprecated`` only). A policy names ops, so
+for policy ``P`` on a device whose default table is ``D``, an overload ``o`` of
+op ``X`` gets::
+
+    P[o] if P[o] != D[o]       # the policy changes it
+    native(o) otherwise        # D's category if torch has a kernel for o, else none (falls through)
+
+where ``D`` and ``native`` are those of the policy's base device (``CUDA``'s
+are cuda's, also when the policy runs on CPU; a documented or custom table
+uses the device it runs on). ``P[o]`` is the overload's own entry if the table
+has one, else its op's. Overloads whose category so differs from torch's
+native one on the device need a mixprec kernel; the default policy needs none.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from mixprec import _devices, _errors
+from mixprec.policies import Category, Policy
+
+Op = torch._ops.OpOverload
+
+
+def default_policy(device_type: str) -> Policy:
+    import mixprec.policies as policies
+
+    return getattr(policies, _devices.spec(device_type).policy)  # type: ignore[no-any-return]
+
+
+def autocast_key(device_type: str) -> str | None:
+    """The name of the device's Autocast dispatch key (``AutocastCPU``), or None if Python cannot reach it."""
+    try:
+        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    except RuntimeError:
+        return None
+    return key if hasattr(torch._C.DispatchKey, key) else None
+
+
+def qualified(op: Op) -> str:
+    """``aten::mm`` for a default overload, ``aten::softmax.int`` for others (as the dispatcher lists them)."""
+    name: str = op.overloadpacket._qualified_op_name
+    return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
+
+
+def _functional(op: Op) -> bool:
+    """Not an ``out=`` or in-place overload: autocast leaves those alone."""
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+
+
+def overloads(name: str) -> tuple[Op, ...]:
+    """The functional overloads a table entry covers: all of an op's (``"mm"``), or one (``"aten::mm.default"``)."""
+    namespace, _, rest = name.rpartition("::")
+    op_name, _, overload = rest.partition(".")
+    if name.startswith("__") or not op_name:
+        return ()
+    try:
+        packet = getattr(getattr(torch.ops, namespace or "aten"), op_name)
+    except (AttributeError, RuntimeError):
+        return ()
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return ()
+    names = [overload] if overload else packet.overloads()
+    found = (getattr(packet, n, None) for n in names if n in packet.overloads())
+    return tuple(op for op in found if op is not None and _functional(op))
+
+
+def categories(policy: Policy) -> dict[Op, Category]:
+    """Every overload the policy's table reaches, with its category; an overload's own entry wins."""
+    found: dict[Op, Category] = {}
+    for name, category in sorted(policy.table.items(), key=lambda item: "." in item[0]):
+        for op in overloads(name):
+            found[op] = category
+    return found
+
+
+@functools.cache
+def native_registrations(key: str) -> frozenset[str]:
+    """The overloads torch itself has kernels for at ``key``, read before mixprec registers any there."""
+    return frozenset(torch._C._dispatch_get_registrations_for_dispatch_key(key))
+
+
+def native(device_type: str) -> dict[Op, Category]:
+    """What torch's own autocast does on the device, overload by overload."""
+    key = autocast_key(device_type)
+    registered = native_registrations(key) if key is not None else frozenset()
+    return {op: c for op, c in _categories_of_default(device_type).items() if qualified(op) in registered}
+
+
+_by_policy: dict[tuple[str, int], tuple[Policy, dict[Op, Category], frozenset[Op]]] = {}
+
+
+def effective(policy: Policy, device_type: str) -> tuple[dict[Op, Category], frozenset[Op]]:
+    """``(categories, changed)``: the category of each overload under ``policy`` on the device, and
+    the overloads where that differs from torch's native autocast there (they need mixprec kernels)."""
+    hit = _by_policy.get((device_type, id(policy)))
+    if hit is not None and hit[0] is policy:
+        return hit[1], hit[2]
+    reference = _reference_device(policy, device_type)
+    mine = categories(policy)
+    base = _categories_of_default(reference)
+    out = dict(native(reference))
+    for op in mine.keys() | base.keys():
+        category = mine.get(op)
+        if category is not base.get(op):
+            if category is None:
+                out.pop(op, None)
+            else:
+                out[op] = category
+    here = native(device_type)
+    changed = frozenset(op for op in out.keys() | here.keys() if out.get(op) is not here.get(op))
+    if len(_by_policy) > 256:
+        _by_policy.clear()
+    _by_policy[(device_type, id(policy))] = (policy, out, changed)
+    return out, changed
+
+
+def _reference_device(policy: Policy, device_type: str) -> str:
+    """The device whose native kernels a policy's unchanged entries follow: its base's (CUDA -> cuda)."""
+    for name, spec in _devices.DEVICES.items():
+        if spec.policy == policy.base and policy.base not in _documented():
+            return name
+    return device_type
+
+
+def _documented() -> tuple[str, ...]:
+    from mixprec.policies import DOCUMENTED
+
+    return DOCUMENTED
+
+
+def _categories_of_default(device_type: str) -> dict[Op, Category]:
+    return _default_categories(default_policy(device_type))
+
+
+@functools.cache
+def _default_categories(policy: Policy) -> dict[Op, Category]:
+    return categories(policy)
+
+
+_checked: set[str] = set()
+
+
+def check_native(device_type: str) -> None:
+    """Warn once per device if its default table and torch's Autocast kernels name different ops."""
+    if device_type in _checked:
+        return
+    _checked.add(device_type)
+    key = autocast_key(device_type)
+    if key is None or default_policy(device_type).name != _devices.spec(device_type).policy:
+        return
+    torch_ops = {r.split("::")[1].split(".")[0] for r in native_registrations(key) if r.startswith("aten::")}
+    table = {name.split("::")[-1].split(".")[0] for name in default_policy(device_type).table}
+    if torch_ops == table or device_type not in ("cpu", "cuda"):
+        return
+    _errors.warn(
+        _errors.message(
+            f"mixprec's default {device_type} policy does not match this torch's autocast kernels",
+            "torch " + torch.__version__ + " has Autocast kernels for other ops than the table lists",
+            received={"only_in_torch": sorted(torch_ops - table), "only_in_table": sorted(table - torch_ops)},
+            fix="mixprec follows torch's kernels for the default policy; explain() reports what torch applies.",
+        ),
+        _errors.MixprecWarning,
+    )
+
+
+def native_category(op: Op, device_type: str) -> Category | None:
+    """The category torch's own autocast applies to ``op`` on the device (None: not autocast)."""
+    return native(device_type).get(op)

@@ -1,0 +1,220 @@
+"""A mixprec region is torch's autocast state: code written for torch.autocast works inside it, bit for bit.
+
+Each test runs the same code under ``torch.autocast`` and under ``mixprec.autocast``
+(default policy, ``compute="native"``) and compares outputs and gradients exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import mixprec
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _native():
+    return torch.autocast("cpu", dtype=BF16)
+
+
+def _ours():
+    return mixprec.autocast("cpu", dtype=BF16, compute="native")
+
+
+def test_torch_reports_the_region():
+    with _ours():
+        assert torch.is_autocast_enabled("cpu") and torch.is_autocast_cpu_enabled()
+        assert torch.get_autocast_dtype("cpu") is BF16
+    with mixprec.autocast("cpu", dtype=F16, compute="native"):
+        assert torch.get_autocast_dtype("cpu") is F16
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_nested_torch_autocast_disabled_turns_it_off():
+    a = torch.randn(4, 4)
+    with _ours(), torch.autocast("cpu", enabled=False):
+        assert torch.mm(a, a).dtype is F32
+        assert not mixprec.is_autocast_enabled("cpu")
+
+
+def test_nested_torch_autocast_dtype_changes_the_dtype_and_the_policy_still_applies():
+    a = torch.randn(4, 4)
+    policy = mixprec.policies.CPU.with_ops(fp32=["mm"])
+    with mixprec.autocast("cpu", policy=policy, compute="native"), torch.autocast("cpu", dtype=F16):
+        assert torch.mm(a, a).dtype is F32  # the policy's category
+        assert torch.nn.functional.linear(a, a).dtype is F16  # torch's dtype
+        assert mixprec.get_policy("cpu") is policy
+
+
+def test_state_after_an_exception_leaves_the_region():
+    with pytest.raises(ValueError), _ours():
+        raise ValueError("inside")
+    assert not torch.is_autocast_enabled("cpu")
+    assert torch.get_autocast_dtype("cpu") is BF16
+    with torch.autocast("cpu", dtype=F16):
+        with pytest.raises(ValueError), _ours():
+            raise ValueError("inside")
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") is F16
+
+
+class _Fp32Function(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return a.mm(b)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        return grad.mm(b.t()), a.t().mm(grad)
+
+
+def test_torch_custom_fwd_and_custom_bwd():
+    a = torch.randn(4, 4, requires_grad=True)
+    results = []
+    for region in (_native, _ours):
+        a.grad = None
+        with region():
+            out = _Fp32Function.apply(a, torch.randn(4, 4, generator=torch.Generator().manual_seed(0)))
+        assert out.dtype is F32
+        out.sum().backward()
+        results.append((out, a.grad.clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def _block() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8))
+
+
+def _grads(model, region, use_checkpoint, reentrant=False):
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    model.zero_grad(set_to_none=True)
+    with region():
+        out = checkpoint(model, x, use_reentrant=reentrant) if use_checkpoint else model(x)
+    out.float().sum().backward()
+    return [out.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+
+def _assert_equal(xs, ys):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys, strict=True):
+        assert x.dtype is y.dtype and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_gives_native_gradients(reentrant):
+    model = _block()
+    native = _grads(model, _native, True, reentrant)
+    ours = _grads(model, _ours, True, reentrant)
+    _assert_equal(native, ours)
+    _assert_equal(native, _grads(model, _native, False))
+
+
+def test_vmap_inside_a_region():
+    w = torch.randn(4, 4)
+    xs = torch.randn(3, 4)
+    with _native():
+        native = torch.func.vmap(lambda x: torch.nn.functional.linear(x, w).softmax(-1))(xs)
+    with _ours():
+        ours = torch.func.vmap(lambda x: torch.nn.functional.linear(x, w).softmax(-1))(xs)
+    assert ours.dtype is native.dtype is BF16 and torch.equal(ours, native)
+
+
+def _hf_model():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertModel(config)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def test_hugging_face_gradient_checkpointing_gives_native_gradients():
+    model = _hf_model()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    results = []
+    for region in (_native, _ours):
+        model.zero_grad(set_to_none=True)
+        with region():
+            out = model(input_ids=ids).last_hidden_state
+        out.float().sum().backward()
+        results.append([out.detach(), *(p.grad for p in model.parameters() if p.grad is not None)])
+    _assert_equal(*results)
+
+
+# --- checkpointing with mixprec's own features ------------------------------------------------------------
+
+MM_FP32 = mixprec.policies.CPU.with_ops(fp32=["linear"], promote=["gelu"])
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize(
+    "region",
+    [
+        functools.partial(mixprec.autocast, "cpu", policy=MM_FP32, compute="native"),
+        functools.partial(mixprec.autocast, "cpu", compute="emulated"),
+        functools.partial(mixprec.autocast, "cpu", dtype=F16, compute="emulated"),
+    ],
+    ids=["policy", "emulated-bf16", "emulated-fp16"],
+)
+def test_checkpoint_under_mixprec_features_gives_the_uncheckpointed_gradients(region, reentrant):
+    model = _block()
+    _assert_equal(_grads(model, region, False), _grads(model, region, True, reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_checkpoint_of_a_module_with_a_module_policy(reentrant):
+    model = _block()
+    with mixprec.set_module_policy(model[2], "fp32"), mixprec.set_module_policy(model[0], MM_FP32):
+        plain = _grads(model, _ours, False)
+        checkpointed = _grads(model, _ours, True, reentrant)
+    _assert_equal(plain, checkpointed)
+    assert plain[0].dtype is BF16
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_two_checkpoints_under_two_policies_in_one_backward(reentrant):
+    model = _block()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def run(use_checkpoint):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        call = functools.partial(checkpoint, model, use_reentrant=reentrant) if use_checkpoint else model
+        with mixprec.autocast("cpu", policy=MM_FP32, compute="native"):
+            first = call(x)
+        with mixprec.autocast("cpu", compute="emulated"):
+            second = call(x)
+        (first.float().sum() + second.float().sum()).backward()
+        return [first.detach(), second.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+    plain = run(False)
+    assert plain[0].dtype is F32 and plain[1].dtype is BF16
+    _assert_equal(plain, run(True))
+
+
+# --- another torch version: the default table against torch's Autocast kernels ----------------------------
+
+
+def test_a_table_that_drifted_from_torch_warns_once_and_explain_follows_torch(monkeypatch):
+    from mixprec import _tables
+
+    registered = _tables.native_registrations("AutocastCPU")
+    monkeypatch.setattr(_tables, "_checked", set())
+    monkeypatch.setattr(_tables, "native_registrations", lambda key: registered - {"aten::mm"})
+    with pytest.warns(mixprec.MixprecWarning, match=r"only_in_table=\['mm'\]"):
+        _tables.check_native("cpu")
+    _tables.check_native("cpu")  # once only: pytest turns a second MixprecWarning into an error
+    monkeypatch.setattr(_tables, "native", lambda device: {})
+    why = mixprec.explain("mm", "cpu", mixprec.policies.CPU)
+    assert why.category is None and why.runs_in is F32
