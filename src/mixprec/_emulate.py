@@ -46,6 +46,8 @@ low-precision inputs and recomputes their upcast in backward.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -58,9 +60,32 @@ from mixprec import _emulate_kernels
 _Tensor = torch.Tensor
 
 
-def paused() -> Any:
+class _Busy(threading.local):
+    depth = 0
+
+
+_busy = _Busy()
+
+
+def busy() -> bool:
+    """Whether this thread is inside emulated compute (its casts are the emulation's, not autocast's)."""
+    return _busy.depth > 0
+
+
+@contextlib.contextmanager
+def _computing() -> Iterator[None]:
+    _busy.depth += 1
+    try:
+        yield
+    finally:
+        _busy.depth -= 1
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
     """Autocast off in this thread (a backward may run inside a region, or in a checkpoint's recompute)."""
-    return torch._C._DisableAutocast()
+    with _computing(), torch._C._DisableAutocast():
+        yield
 
 
 def up(t: torch.Tensor | None, low: torch.dtype) -> Any:
@@ -238,6 +263,17 @@ def call(
     """
     if torch.compiler.is_compiling():
         return _traced(low, func, args, kwargs)
+    with _computing():
+        return _eager(low, func, args, kwargs, original)
+
+
+def _eager(
+    low: torch.dtype,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    original: tuple[tuple[Any, ...], dict[str, Any]],
+) -> Any:
     found = _emulate_kernels.explicit(func, args, kwargs)
     if found is None:
         return _generic(low, func, (args, kwargs), original)

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import mixprec
+from mixprec import _emulate
 
 _MIXPREC_DIR = os.path.dirname(os.path.abspath(mixprec.__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -121,7 +122,7 @@ class _Casts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if func is _TO_COPY and not self.user_cast and isinstance(out, torch.Tensor):
+        if func is _TO_COPY and not self.user_cast and not _emulate.busy() and isinstance(out, torch.Tensor):
             self.count += 1
             self.casts_of[id(args[0])] = out.dtype
             if self.measure:

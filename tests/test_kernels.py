@@ -1,0 +1,91 @@
+"""mixprec's kernels at the Autocast keys: which get registered, when, and what they leave alone."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import mixprec
+from mixprec import _kernels, _tables
+
+CPU = mixprec.policies.CPU
+MM = torch.ops.aten.mm.default
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernels():
+    _kernels.reset()
+    yield
+    _kernels.reset()
+
+
+def test_the_default_policy_with_native_compute_registers_nothing():
+    with mixprec.autocast("cpu", compute="native"), mixprec.autocast("cpu", dtype=torch.float16, compute="native"):
+        torch.mm(torch.randn(2, 2), torch.randn(2, 2))
+    assert _kernels.registered("cpu") == frozenset()
+
+
+def test_an_edited_policy_registers_its_changes_only_once_and_silently():
+    policy = CPU.with_ops(fp32=["mm"]).without_ops("cat")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "overriding a previously registered kernel" must not reach users
+        for _ in range(3):
+            with mixprec.autocast("cpu", policy=policy, compute="native"):
+                pass
+    # every functional overload of mm (mm.default, mm.dtype) and of cat
+    assert _kernels.registered("cpu") == {*_tables.overloads("mm"), *_tables.overloads("cat")}
+    assert MM in _kernels.registered("cpu") and torch.ops.aten.mm.out not in _kernels.registered("cpu")
+
+
+def test_another_devices_policy_registers_where_it_differs_from_this_device():
+    with mixprec.autocast("cpu", policy=mixprec.policies.CUDA, compute="native"):
+        pass
+    registered = {_tables.qualified(op) for op in _kernels.registered("cpu")}
+    assert {"aten::softmax.int", "aten::exp", "aten::layer_norm"} <= registered  # CUDA's, not CPU's
+    assert "aten::mm" not in registered and "aten::softmax.Dimname" not in registered  # as on both / as on cuda
+
+
+def test_emulated_compute_registers_every_lower_precision_op():
+    with mixprec.autocast("cpu", compute="emulated"):
+        pass
+    lower = {op for op, c in _tables.native("cpu").items() if c is mixprec.Category.LOWER_PRECISION_FP}
+    assert _kernels.registered("cpu") == lower
+
+
+def test_a_plain_torch_autocast_region_through_mixprec_kernels_is_native():
+    a = torch.randn(4, 4)
+    with torch.autocast("cpu"):
+        native = torch.mm(a, a)
+    with mixprec.autocast("cpu", policy=CPU.with_ops(fp32=["mm"]), compute="native"):
+        assert torch.mm(a, a).dtype is torch.float32
+    with torch.autocast("cpu"):  # mm now goes through mixprec's kernel, with no mixprec setting
+        through_kernel = torch.mm(a, a)
+    assert MM in _kernels.registered("cpu")
+    assert through_kernel.dtype is torch.bfloat16 and torch.equal(through_kernel, native)
+
+
+def test_reset_gives_torch_its_own_kernels_back():
+    with mixprec.autocast("cpu", policy=CPU.with_ops(fp32=["mm"]), compute="native"):
+        pass
+    _kernels.reset()
+    assert _kernels.registered("cpu") == frozenset()
+    assert "aten::mm" in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")
+    with torch.autocast("cpu"):
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype is torch.bfloat16
+
+
+def test_a_removed_composite_falls_through_and_its_inner_ops_are_cast():
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    policy = mixprec.policies.CUDA.without_ops("einsum")
+    with mixprec.autocast("cpu", policy=policy, compute="native"):
+        out = torch.einsum("bij,bjk->bik", a, b)  # decomposes to bmm, lower_precision_fp in CUDA's table
+    assert out.dtype is torch.bfloat16
+
+
+def test_a_device_without_a_python_autocast_key_takes_only_its_default():
+    assert _tables.autocast_key("xla") is None
+    with pytest.raises(RuntimeError, match=r"Cannot apply this policy on 'xla'.*compute='native'"):
+        mixprec.autocast("xla", policy=mixprec.policies.CPU).__enter__()
+    assert not torch.is_autocast_enabled("xla")
