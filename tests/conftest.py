@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixprec import _cast, _compute, _state
+from mixprec import _autocast, _cast, _compute, _state
 
 
 @pytest.fixture(autouse=True)
@@ -20,9 +20,8 @@ def _no_autocast_leak():
     dtype_after = torch.get_autocast_dtype("cpu")
     torch.set_autocast_dtype("cpu", torch.bfloat16)
     # Clean up first, so that one leaking test does not fail all the others.
+    _autocast.leave(state, len(state.frames))
     state.active.clear()
-    while state.frames:
-        torch.amp._exit_autocast(state.frames.pop().torch_state)
     _cast.thread_cache().clear()
     while torch._C._len_torch_function_stack() > stack_before:
         torch._C._pop_torch_function_stack()
@@ -44,6 +43,10 @@ def fake_cpu_flags(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
         monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
         _compute._cpu_support.cache_clear()
+        _compute._max_isa.cache_clear()
+        _autocast._configured.clear()
 
     yield set_flags
     _compute._cpu_support.cache_clear()
+    _compute._max_isa.cache_clear()
+    _autocast._configured.clear()

@@ -61,6 +61,15 @@ class autocast:  # noqa: N801 - torch's name
         policy: Policy | None = None,
         compute: str = "auto",
     ) -> None:
+        compiling = torch.compiler.is_compiling()
+        key = (device_type, dtype, enabled, type(enabled), cache_enabled, type(cache_enabled), id(policy), compute)
+        found = None if compiling else _configured.get(key) if _hashable(key) else None
+        if found is not None and found[0] is policy:  # checked before: regions are made once per step
+            (
+                _, self.device, self.fast_dtype, self._cache_enabled, self._policy, self._enabled, self._compute,
+                self._emulate, self._emulate_ops, self._setting,
+            ) = found  # fmt: skip
+            return
         spec = _devices.spec(device_type)
         _check_type("dtype", dtype, torch.dtype, optional=True)
         _check_type("enabled", enabled, bool)
@@ -77,9 +86,22 @@ class autocast:  # noqa: N801 - torch's name
             _compute.emulated_ops(self._compute, device_type, self.fast_dtype) if self._enabled else frozenset()
         )
         self._setting: _state.Setting | None = None  # made on first entry, then reused
+        if self._enabled and not compiling:  # no warning was given: remember the checked arguments
+            chosen = self._policy if self._policy is not None else _tables.default_policy(device_type)
+            self._setting = _state.setting(device_type, chosen, self._emulate, self._emulate_ops)
+            if len(_configured) > 256:
+                _configured.clear()
+            _configured[key] = (
+                policy, self.device, self.fast_dtype, self._cache_enabled, self._policy, self._enabled,
+                self._compute, self._emulate, self._emulate_ops, self._setting,
+            )  # fmt: skip
 
     def __enter__(self) -> autocast:
-        setting = self._setting_for(_state.get()) if self._enabled else None
+        setting = self._setting
+        if not self._enabled:
+            setting = None
+        elif setting is None or _state._state.module_policies:
+            setting = self._setting_for(_state._state)
         enter(self.device, setting, self.fast_dtype, self._enabled, self._cache_enabled)
         return self
 
@@ -88,11 +110,11 @@ class autocast:  # noqa: N801 - torch's name
 
     def _setting_for(self, state: _state.ThreadState) -> _state.Setting:
         if self._policy is None and state.module_policies:  # the innermost module policy (set_module_policy)
-            return _state.Setting(self.device, state.module_policies[-1], self._emulate, self._emulate_ops)
+            return _state.setting(self.device, state.module_policies[-1], self._emulate, self._emulate_ops)
         setting = self._setting
         if setting is None:  # made on first entry, then reused
             policy = self._policy if self._policy is not None else _tables.default_policy(self.device)
-            setting = self._setting = _state.Setting(self.device, policy, self._emulate, self._emulate_ops)
+            setting = self._setting = _state.setting(self.device, policy, self._emulate, self._emulate_ops)
         return setting
 
     def __call__(self, func: F) -> F:
@@ -123,57 +145,96 @@ class autocast:  # noqa: N801 - torch's name
         )
 
 
+#: autocast's arguments -> what __init__ derived from them (the policy, for an identity check, first).
+_configured: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+
+
+def _hashable(key: tuple[Any, ...]) -> bool:
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
 def enter(
     device: str, setting: _state.Setting | None, dtype: torch.dtype, enabled: bool, cache_enabled: bool
 ) -> None:
     """Open one nesting level: torch's autocast state for ``device``, and mixprec's setting beside it.
 
     ``setting=None`` keeps the thread's current mixprec setting (a level that only turns autocast off).
+    No cache for a region opened under no_grad: a cached copy made there has no autograd history, and
+    torch.jit.trace cannot record one (torch's own kernels cache otherwise; mixprec's never do under no_grad).
     """
-    state = _state.get()
+    cache_enabled = cache_enabled and torch.is_grad_enabled()
+    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
+        _enter_traced(device, setting, dtype, enabled, cache_enabled)
+        return
+    # The eager path, as torch.autocast.__enter__ sets torch's state, minus its argument checks (made already).
+    state = _state._state
+    previous = None
     if setting is not None:
-        _prepare(setting)
+        if _kernels._ensured.get(setting.key) is not setting.policy:
+            _kernels.ensure(setting)
         previous = state.active.get(device)
-        _push(state, device, setting)
+        state.active[device] = setting
+    saved = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
+    torch.set_autocast_enabled(device, enabled)
+    torch.set_autocast_dtype(device, dtype)
+    torch.autocast_increment_nesting()
+    torch.set_autocast_cache_enabled(cache_enabled)
+    state.frames.append((device, setting is not None, previous, saved))
+
+
+def _enter_traced(
+    device: str, setting: _state.Setting | None, dtype: torch.dtype, enabled: bool, cache_enabled: bool
+) -> None:
+    """``enter`` where a trace must see the region: torch.compile, and export's torch-function mode."""
+    state = _state.get()
+    compiling = torch.compiler.is_compiling()
+    previous = None
+    if setting is not None:
+        if not compiling:  # under compile, _push's token registers the kernels, eagerly
+            _kernels.ensure(setting)
+        previous = state.active.get(device)
+        _push(state, device, setting, compiling)
     try:
-        # No cache for a region opened under no_grad: a cached copy made there has no autograd history, and
-        # torch.jit.trace cannot record one (torch's own kernels cache otherwise; mixprec's never do under no_grad).
-        entered = torch.amp._enter_autocast(device, dtype, enabled, cache_enabled and torch.is_grad_enabled())
+        entered = torch.amp._enter_autocast(device, dtype, enabled, cache_enabled)
     except BaseException:
         if setting is not None:
-            _pop(state, device, previous)
+            _pop(state, device, previous, compiling)
         raise
-    state.frames.append(_state.Frame(device, setting is not None, previous if setting is not None else None, entered))
+    state.frames.append((device, setting is not None, previous, entered))
 
 
 def leave(state: _state.ThreadState, levels: int) -> None:
     """Close ``levels`` nesting levels; the cast cache goes when the last one closes."""
+    compiling = torch.compiler.is_compiling()
     for _ in range(levels):
-        frame = state.frames.pop()
-        torch.amp._exit_autocast(frame.torch_state)
-        if frame.pushed:
-            _pop(state, frame.device_type, frame.previous)
+        device, pushed, previous, saved = state.frames.pop()
+        if type(saved) is tuple:  # entered on the eager path
+            if torch.autocast_decrement_nesting() == 0:
+                torch.clear_autocast_cache()
+            torch.set_autocast_enabled(device, saved[0])
+            torch.set_autocast_dtype(device, saved[1])
+            torch.set_autocast_cache_enabled(saved[2])
+        else:
+            torch.amp._exit_autocast(saved)
+        if pushed:
+            _pop(state, device, previous, compiling)
     if levels and not state.frames:
         _cast.thread_cache().clear()
 
 
-def _prepare(setting: _state.Setting) -> None:
-    """Register the kernels the setting needs, and note it for a checkpoint's recompute (not traced)."""
-    if torch.compiler.is_compiling():
-        return  # _push's token registers the kernels, eagerly
-    _tables.check_native(setting.device_type)
-    _kernels.ensure(setting)
-
-
-def _push(state: _state.ThreadState, device: str, setting: _state.Setting) -> None:
-    if torch.compiler.is_compiling():
+def _push(state: _state.ThreadState, device: str, setting: _state.Setting, compiling: bool) -> None:
+    if compiling:
         _compile.push(_compile.token(device, setting.policy, setting.emulate, setting.emulate_ops))
     else:
         state.active[device] = setting
 
 
-def _pop(state: _state.ThreadState, device: str, previous: _state.Setting | None) -> None:
-    if torch.compiler.is_compiling():
+def _pop(state: _state.ThreadState, device: str, previous: _state.Setting | None, compiling: bool) -> None:
+    if compiling:
         if previous is None:
             _compile.push(_compile.token(device, None, False, frozenset()))
         else:

@@ -143,9 +143,14 @@ def _cpu_support(dtype: torch.dtype, max_isa: str) -> KernelSupport:
     return KernelSupport("cpu", dtype, True, evidence)
 
 
+@functools.cache
+def _max_isa() -> str:
+    """oneDNN's ISA cap, read once: oneDNN itself reads the variable once, when it starts."""
+    return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA", "")
+
+
 def _cpu(dtype: torch.dtype) -> KernelSupport:
-    max_isa = os.environ.get("ONEDNN_MAX_CPU_ISA", os.environ.get("DNNL_MAX_CPU_ISA", ""))
-    return _cpu_support(dtype, max_isa)
+    return _cpu_support(dtype, _max_isa())
 
 
 def _cuda(dtype: torch.dtype) -> KernelSupport:

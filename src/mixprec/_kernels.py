@@ -60,6 +60,7 @@ def ensure(setting: _state.Setting) -> None:
     """Register the kernels ``setting`` needs and does not have yet (memoized per setting)."""
     if _ensured.get(setting.key) is setting.policy:
         return
+    _tables.check_native(setting.device_type)
     key = _tables.autocast_key(setting.device_type)
     native_only = key is None and setting.policy is _tables.default_policy(setting.device_type) and not setting.emulate
     ops = frozenset() if native_only else needed(setting)  # without a key, torch's (or the backend's) kernels run

@@ -11,6 +11,7 @@ the device's native behaviour.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any
 
@@ -29,19 +30,29 @@ class Setting:
     emulate_ops: frozenset[str] = frozenset()  # these overloads too, under native compute (compute="auto")
     from_module: bool = False  # set by set_module_policy's hook (which runs again in a checkpoint's recompute)
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple[str, int, bool, frozenset[str], bool]:
         return (self.device_type, id(self.policy), self.emulate, self.emulate_ops, self.from_module)
 
 
-@dataclasses.dataclass
-class Frame:
-    """One open region level: what to restore when it closes."""
+_settings: dict[tuple[str, int, bool, frozenset[str]], Setting] = {}
 
-    device_type: str
-    pushed: bool  # whether the level set a mixprec setting (a disabled level keeps the one in force)
-    previous: Setting | None  # this thread's mixprec setting for the device before the level
-    torch_state: Any  # what torch.amp._enter_autocast returned, for _exit_autocast; None if not entered
+
+def setting(device_type: str, policy: Policy, emulate: bool, emulate_ops: frozenset[str]) -> Setting:
+    """The one ``Setting`` for these values (memoized: regions are entered once per step)."""
+    key = (device_type, id(policy), emulate, emulate_ops)
+    found = _settings.get(key)
+    if found is None or found.policy is not policy:
+        if len(_settings) > 256:
+            _settings.clear()
+        found = _settings[key] = Setting(device_type, policy, emulate, emulate_ops)
+    return found
+
+
+#: One open region level, what to restore when it closes: (device type, whether the level set a mixprec
+#: setting, the thread's setting before it, torch's state before it: a tuple (enabled, dtype, cache) on the
+#: eager path, else what torch.amp._enter_autocast returned).
+Frame = tuple[str, bool, "Setting | None", Any]
 
 
 class ThreadState(threading.local):

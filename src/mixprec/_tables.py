@@ -28,10 +28,17 @@ from mixprec.policies import Category, Policy
 Op = torch._ops.OpOverload
 
 
-def default_policy(device_type: str) -> Policy:
-    import mixprec.policies as policies
+_defaults: dict[str, Policy] = {}
 
-    return getattr(policies, _devices.spec(device_type).policy)  # type: ignore[no-any-return]
+
+def default_policy(device_type: str) -> Policy:
+    """The device's default policy (built on first use)."""
+    found = _defaults.get(device_type)
+    if found is None:
+        import mixprec.policies as policies
+
+        found = _defaults[device_type] = getattr(policies, _devices.spec(device_type).policy)
+    return found
 
 
 def autocast_key(device_type: str) -> str | None:
