@@ -148,6 +148,7 @@ def entries(setting: _state.Setting) -> dict[Op, Entry]:
     if len(_compiled) > 256:
         _compiled.clear()
     _compiled[setting.key] = (setting.policy, found)
+    setting.__dict__["entries"] = found  # the kernels' fast path (a Setting is immutable otherwise)
     return found
 
 
@@ -167,6 +168,8 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
     get_dtype = torch.get_autocast_dtype
     task_id = torch._C._current_graph_task_id
     is_compiling = torch.compiler.is_compiling
+    grad_enabled = torch.is_grad_enabled
+    saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
     state = _state.get()
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
@@ -175,9 +178,13 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
         setting = state.active.get(device_type)
         if setting is None:
             setting = _recompute.setting(device_type)
-        elif task_id() < 0:
-            _recompute.record(setting)
-        table = native_entries(device_type) if setting is None else entries(setting)
+            table = native_entries(device_type) if setting is None else entries(setting)
+        else:
+            # In forward, inside a checkpoint (saved-tensor hooks, or no_grad for the reentrant one): leave the
+            # setting for its recompute.
+            if task_id() < 0 and (not grad_enabled() or saved_tensors_hooks(False) is not None):
+                _recompute.record(setting)
+            table = setting.__dict__.get("entries") or entries(setting)
         entry = table.get(op)
         if entry is None:
             return op.redispatch(keyset & after, *args, **kwargs)
