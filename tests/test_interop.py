@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 import mixprec
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+MM_FP32 = mixprec.policies.CPU.with_ops(fp32=["linear"], promote=["gelu"])
 
 
 def _native():
@@ -127,23 +128,32 @@ def test_vmap_inside_a_region():
     assert ours.dtype is native.dtype is BF16 and torch.equal(ours, native)
 
 
-def _hf_model():
-    transformers = pytest.importorskip("transformers")
+def _hf_model(reentrant):
+    import transformers
+
     config = transformers.BertConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
         max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.BertModel(config)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     return model.train()
 
 
-def test_hugging_face_gradient_checkpointing_gives_native_gradients():
-    model = _hf_model()
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("policy", [None, MM_FP32], ids=["default", "edited"])
+def test_hugging_face_gradient_checkpointing_gives_native_gradients(reentrant, policy):
+    model = _hf_model(reentrant)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    # Native, or for an edited policy the same model without checkpointing, is the reference.
+    reference = _native if policy is None else functools.partial(mixprec.autocast, "cpu", policy=policy)
     results = []
-    for region in (_native, _ours):
+    ours = functools.partial(mixprec.autocast, "cpu", policy=policy, compute="native")
+    for region, checkpointed in ((reference, policy is None), (ours, True)):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        if not checkpointed:
+            model.gradient_checkpointing_disable()
         model.zero_grad(set_to_none=True)
         with region():
             out = model(input_ids=ids).last_hidden_state
@@ -153,8 +163,6 @@ def test_hugging_face_gradient_checkpointing_gives_native_gradients():
 
 
 # --- checkpointing with mixprec's own features ------------------------------------------------------------
-
-MM_FP32 = mixprec.policies.CPU.with_ops(fp32=["linear"], promote=["gelu"])
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
