@@ -155,11 +155,10 @@ def first_nonfinite(rows: list[OpReport]) -> OpReport | None:
 
 
 def autocast_region(device: str, dtype: torch.dtype, policy: mixprec.Policy | None) -> mixprec.autocast:
-    """The doctor's region: ``compute="native"``, so each op is one call the recorder sees.
+    """The doctor's region: ``compute="native"``, so that its numbers are native autocast's.
 
-    Emulated compute (``compute="emulated"``) runs a matmul as several float32 calls
-    with roundings between them; the recorder would see those pieces instead of the
-    op. The numerics are the same where it matters here: the output is rounded to
-    the low-precision dtype, so it overflows or flushes to zero as under emulation.
+    Emulated compute gives the same dtypes and overflows alike (the output is rounded
+    to the low-precision dtype), but its float32 accumulation would hide the
+    low-precision kernels' own rounding from the comparison with float32.
     """
     return mixprec.autocast(device, dtype=dtype, policy=policy, compute="native")
