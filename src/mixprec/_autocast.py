@@ -106,7 +106,7 @@ class autocast:  # noqa: N801 - torch's name
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        leave(_state.get(), 1)
+        leave(_state._state, 1)
 
     def _setting_for(self, state: _state.ThreadState) -> _state.Setting:
         if self._policy is None and state.module_policies:  # the innermost module policy (set_module_policy)
@@ -209,7 +209,6 @@ def _enter_traced(
 
 def leave(state: _state.ThreadState, levels: int) -> None:
     """Close ``levels`` nesting levels; the cast cache goes when the last one closes."""
-    compiling = torch.compiler.is_compiling()
     for _ in range(levels):
         device, pushed, previous, saved = state.frames.pop()
         if type(saved) is tuple:  # entered on the eager path
@@ -218,12 +217,19 @@ def leave(state: _state.ThreadState, levels: int) -> None:
             torch.set_autocast_enabled(device, saved[0])
             torch.set_autocast_dtype(device, saved[1])
             torch.set_autocast_cache_enabled(saved[2])
+            if pushed:
+                if previous is None:
+                    del state.active[device]
+                else:
+                    state.active[device] = previous
         else:
             torch.amp._exit_autocast(saved)
-        if pushed:
-            _pop(state, device, previous, compiling)
+            if pushed:
+                _pop(state, device, previous, torch.compiler.is_compiling())
     if levels and not state.frames:
-        _cast.thread_cache().clear()
+        cache = _cast.thread_cache()
+        if cache:
+            cache.clear()
 
 
 def _push(state: _state.ThreadState, device: str, setting: _state.Setting, compiling: bool) -> None:
