@@ -51,6 +51,8 @@ class autocast:  # noqa: N801 - torch's name
         torch.bfloat16
     """
 
+    _setting: _state.Setting | None
+
     def __init__(
         self,
         device_type: str,
@@ -85,7 +87,7 @@ class autocast:  # noqa: N801 - torch's name
         self._emulate_ops = (
             _compute.emulated_ops(self._compute, device_type, self.fast_dtype) if self._enabled else frozenset()
         )
-        self._setting: _state.Setting | None = None  # made on first entry, then reused
+        self._setting = None  # made here when the arguments are remembered, else on first entry
         if self._enabled and not compiling:  # no warning was given: remember the checked arguments
             chosen = self._policy if self._policy is not None else _tables.default_policy(device_type)
             self._setting = _state.setting(device_type, chosen, self._emulate, self._emulate_ops)
