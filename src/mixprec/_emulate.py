@@ -264,16 +264,11 @@ def call(
     if torch.compiler.is_compiling():
         return _traced(low, func, args, kwargs)
     with _computing():
-        return _eager(low, func, args, kwargs, original)
+        return _eager(low, func, (args, kwargs), original)
 
 
-def _eager(
-    low: torch.dtype,
-    func: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    original: tuple[tuple[Any, ...], dict[str, Any]],
-) -> Any:
+def _eager(low: torch.dtype, func: Callable[..., Any], cast: tuple[Any, Any], original: tuple[Any, Any]) -> Any:
+    args, kwargs = cast
     found = _emulate_kernels.explicit(func, args, kwargs)
     if found is None:
         return _generic(low, func, (args, kwargs), original)
