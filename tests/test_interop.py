@@ -147,9 +147,9 @@ def test_hugging_face_gradient_checkpointing_gives_native_gradients(reentrant, p
     model = _hf_model(reentrant)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     # Native, or for an edited policy the same model without checkpointing, is the reference.
-    reference = _native if policy is None else functools.partial(mixprec.autocast, "cpu", policy=policy)
-    results = []
     ours = functools.partial(mixprec.autocast, "cpu", policy=policy, compute="native")
+    reference = _native if policy is None else ours
+    results = []
     for region, checkpointed in ((reference, policy is None), (ours, True)):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         if not checkpointed:
