@@ -34,8 +34,12 @@ def casts_of(fn, *, cache_enabled=True):
 
 
 def native_casts_of(fn):
-    with CountCasts() as counter, torch.autocast("cpu", dtype=torch.bfloat16):
-        fn()
+    _kernels.reset()  # torch's own kernels and cache
+    try:
+        with CountCasts() as counter, torch.autocast("cpu", dtype=torch.bfloat16):
+            fn()
+    finally:
+        _kernels.register("AutocastCPU", "cpu", {torch.ops.aten.mm.default})
     return counter.casts
 
 

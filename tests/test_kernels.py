@@ -89,3 +89,20 @@ def test_a_device_without_a_python_autocast_key_takes_only_its_default():
     with pytest.raises(RuntimeError, match=r"Cannot apply this policy on 'xla'.*compute='native'"):
         mixprec.autocast("xla", policy=mixprec.policies.CPU).__enter__()
     assert not torch.is_autocast_enabled("xla")
+
+
+def test_plain_torch_regions_through_mixprec_kernels_never_reuse_a_stale_cast():
+    # A fused optimizer updates weights in place without moving their version counters; a cast cached
+    # past the torch.autocast region that made it would then be stale.
+    with mixprec.autocast("cpu", policy=CPU.with_ops(fp32=["mm"]), compute="native"):
+        pass  # mm now goes through mixprec's kernel
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    optimizer = torch.optim.AdamW([w], lr=0.5, fused=True)
+    x = torch.randn(4, 4)
+    for _ in range(2):
+        with torch.autocast("cpu"):
+            out = torch.mm(x, w)
+        assert torch.equal(out, torch.mm(x.bfloat16(), w.detach().bfloat16()))
+        out.float().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _cast, _emulate
+from mixprec import _cast, _emulate, _state
 from mixprec.policies import Category
 
 _float32 = torch.float32
@@ -32,9 +32,20 @@ Rule = Callable[[Op, str, torch.dtype, bool, tuple[Any, ...], dict[str, Any]], A
 
 
 def _use_cache() -> bool:
-    # Native caches whenever the cache is on; mixprec also skips it under no_grad (a copy made
-    # there has no autograd history) and in traces (a graph computes each cast once anyway).
-    return torch.is_autocast_cache_enabled() and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    """Whether to reuse weight casts: inside a mixprec region, whose exit clears the cache.
+
+    Native caches whenever the cache is on. mixprec's cache lives only while a mixprec region is open in the
+    thread: a plain ``torch.autocast`` region (a framework's, under ``install``) and a checkpoint's recompute
+    end where mixprec cannot see it, and a fused optimizer updates weights in place without moving their
+    version counters, so a cast kept past the region could be stale. It is also skipped under no_grad (a
+    copy made there has no autograd history) and in traces (a graph computes each cast once anyway).
+    """
+    return (
+        bool(_state._state.frames)
+        and torch.is_autocast_cache_enabled()
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+    )
 
 
 def lower_precision_fp(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
