@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixprec import _autocast, _cast, _compute, _state
+from mixprec import _autocast, _cast, _compute, _install, _state
 
 
 @pytest.fixture(autouse=True)
@@ -17,6 +17,8 @@ def _no_autocast_leak():
     nesting = state.nesting
     stack_after = torch._C._len_torch_function_stack()
     native_on = torch.is_autocast_enabled("cpu")
+    installed = _install.current
+    _install.current = None
     dtype_after = torch.get_autocast_dtype("cpu")
     torch.set_autocast_dtype("cpu", torch.bfloat16)
     # Clean up first, so that one leaking test does not fail all the others.
@@ -27,6 +29,7 @@ def _no_autocast_leak():
         torch._C._pop_torch_function_stack()
     torch.set_autocast_enabled("cpu", False)
     assert not leaked and nesting == 0, f"test leaked mixprec autocast state: {leaked}, nesting={nesting}"
+    assert installed is None, "test left mixprec.install in force (call remove() on its handle)"
     assert stack_after == stack_before, "test leaked a torch function mode"
     assert not native_on, "test leaked native CPU autocast"
     assert dtype_after is torch.bfloat16, f"test leaked the CPU autocast dtype {dtype_after}"

@@ -451,7 +451,7 @@ def test_emulated_compute_under_inductor(dtype):
 
 
 def test_constant_marks_a_function_as_torch_compiler_does():
-    from mixprec import _compile
+    from mixprec._constant import constant
 
     def ours():
         return 1
@@ -459,7 +459,7 @@ def test_constant_marks_a_function_as_torch_compiler_does():
     def torchs():
         return 1
 
-    _compile.constant(ours)
+    constant(ours)
     torch.compiler.assume_constant_result(torchs)
     assert vars(ours) == vars(torchs) == {"_dynamo_marked_constant": True}
 

@@ -13,6 +13,7 @@ from mixprec._compute import KernelSupport, kernel_support
 from mixprec._custom import custom_bwd, custom_fwd
 from mixprec._errors import AutocastDisabledWarning, MixprecWarning
 from mixprec._explain import Explanation, explain
+from mixprec._install import InstallHandle, install
 from mixprec._module import AutocastModule, ModulePolicyHandle, set_module_policy
 from mixprec.policies import Category, Policy
 from mixprec.scaler import GradScaler, ScaleRecord, ScalerStateError
@@ -23,6 +24,7 @@ __all__ = [
     "Category",
     "Explanation",
     "GradScaler",
+    "InstallHandle",
     "KernelSupport",
     "MixprecWarning",
     "ModulePolicyHandle",
@@ -37,6 +39,7 @@ __all__ = [
     "explain",
     "get_autocast_dtype",
     "get_policy",
+    "install",
     "is_autocast_enabled",
     "kernel_support",
     "policies",

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from mixprec import _cast, _compile, _compute, _devices, _errors, _kernels, _state, _tables
+from mixprec import _cast, _compile, _compute, _devices, _errors, _install, _kernels, _state, _tables
 from mixprec.policies import Policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -102,7 +102,7 @@ class autocast:  # noqa: N801 - torch's name
         setting = self._setting
         if not self._enabled:
             setting = None
-        elif setting is None or _state._state.module_policies:
+        elif setting is None or _state._state.module_policies or (self._policy is None and _install.current):
             setting = self._setting_for(_state._state)
         enter(self.device, setting, self.fast_dtype, self._enabled, self._cache_enabled)
         return self
@@ -111,8 +111,10 @@ class autocast:  # noqa: N801 - torch's name
         leave(_state._state, 1)
 
     def _setting_for(self, state: _state.ThreadState) -> _state.Setting:
-        if self._policy is None and state.module_policies:  # the innermost module policy (set_module_policy)
-            return _state.setting(self.device, state.module_policies[-1], self._emulate, self._emulate_ops)
+        if self._policy is None:  # the innermost module policy (set_module_policy), else the installed one
+            inner = state.module_policies[-1] if state.module_policies else _install.policy()
+            if inner is not None:
+                return _state.setting(self.device, inner, self._emulate, self._emulate_ops)
         setting = self._setting
         if setting is None:  # made on first entry, then reused
             policy = self._policy if self._policy is not None else _tables.default_policy(self.device)
@@ -308,6 +310,8 @@ def get_autocast_dtype(device_type: str) -> torch.dtype:
 
 
 def get_policy(device_type: str) -> Policy:
-    """The policy in force for ``device_type`` (the device's default outside any mixprec region)."""
+    """The policy in force for ``device_type``: the region's, else the installed one, else the device's default."""
     setting = _state.get().active.get(device_type)
-    return _tables.default_policy(device_type) if setting is None else setting.policy
+    if setting is not None:
+        return setting.policy
+    return _install.policy() or _tables.default_policy(device_type)

@@ -11,32 +11,22 @@ casts they make end up in the graph; ``push`` itself leaves nothing in an
 ATen graph.
 
 Nothing here imports ``torch._dynamo`` when mixprec is imported: ``constant``
-marks a function as ``torch.compiler.assume_constant_result`` does, and
-``token`` (run eagerly by the trace) registers ``push`` with dynamo.
+(``mixprec._constant``) marks a function as ``torch.compiler.assume_constant_result``
+does, and ``token`` (run eagerly by the trace) registers ``push`` with dynamo.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
 
 import torch
 
 from mixprec import _errors, _guard, _kernels, _state
+from mixprec._constant import constant
 from mixprec.policies import Policy
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 _lock = threading.Lock()
 _tokens: dict[int, tuple[str, _state.Setting | None]] = {}
-
-
-def constant(fn: F) -> F:
-    """``torch.compiler.assume_constant_result(fn)`` without importing dynamo: the trace runs ``fn``
-    eagerly and uses its result as a constant."""
-    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
-    return fn
 
 
 @constant

@@ -38,7 +38,8 @@ from collections.abc import Callable
 
 import torch
 
-from mixprec import _compile, _errors
+from mixprec import _errors
+from mixprec._constant import constant
 
 COMPUTE_MODES = ("auto", "native", "emulated")
 
@@ -213,7 +214,7 @@ def check_compute(compute: object) -> str:
 _NO_NATIVE_KERNEL = {("cpu", torch.float16): frozenset({"aten::mkldnn_rnn_layer"})}
 
 
-@_compile.constant
+@constant
 def emulated_ops(compute: str, device_type: str, dtype: torch.dtype) -> frozenset[str]:
     """The overloads ``compute="auto"`` emulates although it runs the others natively."""
     if compute != "auto" or emulates(compute, device_type, dtype):
@@ -221,7 +222,7 @@ def emulated_ops(compute: str, device_type: str, dtype: torch.dtype) -> frozense
     return _NO_NATIVE_KERNEL.get((device_type, dtype), frozenset())
 
 
-@_compile.constant
+@constant
 def emulates(compute: str, device_type: str, dtype: torch.dtype) -> bool:
     """Whether a region with these settings emulates its lower_precision_fp ops.
 

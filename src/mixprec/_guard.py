@@ -15,12 +15,13 @@ from typing import Any
 
 import torch
 
-from mixprec import _state
+from mixprec import _install, _state
 
 
 def _entry_key() -> tuple[Any, ...]:
-    """This thread's mixprec settings, as a comparable value (the policies are kept alive by the guard)."""
-    return tuple(sorted((device, setting.key) for device, setting in _state.get().active.items()))
+    """This thread's mixprec settings and the installation, as a comparable value (the policies are kept
+    alive by the guard, the installation by _install)."""
+    return (_install.key(), *sorted((device, setting.key) for device, setting in _state.get().active.items()))
 
 
 def guard_trace() -> None:

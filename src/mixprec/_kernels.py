@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _errors, _guard, _recompute, _rules, _state, _tables
+from mixprec import _errors, _guard, _install, _recompute, _rules, _state, _tables
 from mixprec.policies import Category, Policy
 
 Op = torch._ops.OpOverload
@@ -177,7 +177,7 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
             _guard.guard_trace()
         setting = state.active.get(device_type)
         if setting is None:
-            setting = _recompute.setting(device_type)
+            setting = _recompute.setting(device_type) or _install.setting(device_type)
             table = native_entries(device_type) if setting is None else entries(setting)
         else:
             # In forward, inside a checkpoint (saved-tensor hooks, or no_grad for the reentrant one): leave the

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _autocast, _custom, _devices, _errors, _recompute, _state
+from mixprec import _autocast, _custom, _devices, _errors, _install, _recompute, _state
 from mixprec.policies import Policy
 
 FP32 = "fp32"
@@ -140,7 +140,7 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
         for device in devices:
             dtype, cache = torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled()
             if isinstance(policy, Policy):
-                current = state.active.get(device) or _recompute.setting(device)
+                current = state.active.get(device) or _recompute.setting(device) or _install.setting(device)
                 setting = (
                     _state.Setting(device, policy, from_module=True)
                     if current is None

@@ -1,0 +1,141 @@
+"""Frameworks that open torch.autocast themselves follow mixprec once it is installed, with no code change.
+
+Each test trains a tiny model for a few steps with the real framework: Hugging Face ``Trainer``,
+Accelerate's ``Accelerator`` and Lightning's ``Trainer``. Step-time goals live in a benchmark,
+not here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec
+
+BF16, F32 = torch.bfloat16, torch.float32
+LINEAR_FP32 = mixprec.policies.CPU.with_ops(fp32=["linear"])
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
+
+
+# --- Hugging Face Trainer -----------------------------------------------------------------------------------
+
+
+def _hf_run(tmp_path, policy, *, install=True, gradient_checkpointing=False):
+    from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2, pad_token_id=0)
+    model = GPT2ForSequenceClassification(config)
+    seen = []
+    model.score.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": torch.randint(1, 100, (16,), generator=gen), "labels": i % 2} for i in range(32)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, bf16=True, max_steps=3, per_device_train_batch_size=8,
+        report_to=[], save_strategy="no", gradient_checkpointing=gradient_checkpointing, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    handle = mixprec.install(policy) if install else None
+    try:
+        result = Trainer(model=model, args=args, train_dataset=data).train()
+    finally:
+        if handle is not None:
+            handle.remove()
+    return result.training_loss, seen
+
+
+def test_hf_trainer_follows_the_installed_policy(tmp_path):
+    native_loss, native_seen = _hf_run(tmp_path, None, install=False)
+    loss, seen = _hf_run(tmp_path, LINEAR_FP32)
+    assert native_seen == [BF16] * 3 and seen == [F32] * 3  # the classifier head, seen by a forward hook
+    assert abs(loss - native_loss) <= 0.01 * abs(native_loss)
+
+
+def test_hf_trainer_with_the_default_policy_is_native_bit_for_bit(tmp_path):
+    assert _hf_run(tmp_path, None) == _hf_run(tmp_path, None, install=False)
+
+
+def test_hf_trainer_gradient_checkpointing_gives_the_run_without_it(tmp_path):
+    assert _hf_run(tmp_path, LINEAR_FP32, gradient_checkpointing=True) == _hf_run(tmp_path, LINEAR_FP32)
+
+
+# --- Accelerate ---------------------------------------------------------------------------------------------
+
+
+def test_accelerate_autocast_follows_the_installed_policy():
+    from accelerate import Accelerator
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+    seen = []  # the first Linear's output (accelerate converts the model's outputs to float32)
+    model[0].register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x, y = torch.randn(8, 8), torch.randint(0, 2, (8,))
+    for installed in (False, True):
+        handle = mixprec.install(LINEAR_FP32) if installed else None
+        try:
+            with accelerator.autocast():
+                out = model(x)
+                loss = torch.nn.functional.cross_entropy(out, y)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        finally:
+            if handle is not None:
+                handle.remove()
+    assert seen == [BF16, F32]
+
+
+# --- Lightning ----------------------------------------------------------------------------------------------
+
+
+def _lightning_run(policy, *, install=True):
+    import lightning as L
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+            self.seen: list[torch.dtype] = []
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self.net(x)
+            self.seen.append(out.dtype)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    module = Tiny()
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+    trainer = L.Trainer(
+        accelerator="cpu", precision="bf16-mixed", max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    handle = mixprec.install(policy) if install else None
+    try:
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    finally:
+        if handle is not None:
+            handle.remove()
+    return module.seen, module.losses
+
+
+def test_lightning_follows_the_installed_policy_and_is_native_after_remove():
+    native_seen, native_losses = _lightning_run(None, install=False)
+    seen, losses = _lightning_run(LINEAR_FP32)
+    after_seen, after_losses = _lightning_run(None, install=False)
+    assert native_seen == [BF16] * 3 and seen == [F32] * 3
+    assert (after_seen, after_losses) == (native_seen, native_losses)
+    assert abs(losses[-1] - native_losses[-1]) <= 0.01 * abs(native_losses[-1]) + 1e-3
