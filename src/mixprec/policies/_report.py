@@ -60,8 +60,9 @@ _BEHAVIOUR = (
     "natively: a composite such as `einsum` decomposes, and the listed ops it reaches are cast.",
     "A banned op raises only when an eligible tensor (floating, on the device, not float64) is among "
     "its inputs; torch's CUDA ban raises for any input.",
-    "mixprec's kernels skip the weight-cast cache under `no_grad` (a copy made there has no autograd "
-    "history) and recast a weight whose version counter moved.",
+    "mixprec's kernels reuse a weight's cast only inside a mixprec region (whose exit clears the cache), "
+    "never under `no_grad` (a copy made there has no autograd history), and recast a weight whose version "
+    "counter moved. In a plain `torch.autocast` region through mixprec's kernels each use is cast anew.",
 )
 
 
