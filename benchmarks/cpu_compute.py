@@ -40,11 +40,12 @@ import argparse
 import contextlib
 import copy
 import json
+import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,9 +108,27 @@ def batch(r: int, vocab: int = 50257) -> torch.Tensor:
     return torch.randint(0, vocab, (4, 64), generator=torch.Generator().manual_seed(r))
 
 
+@contextlib.contextmanager
+def _quiet_stdio() -> Iterator[None]:
+    """Silence file descriptors 1 and 2: the profiler's C++ side prints start/stop lines there."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 1)
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+
+
 def peak_bytes(trainer: Trainer, ids: torch.Tensor) -> int:
     """The step's peak CPU allocation above what was live at its start (profiler memory events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stdio(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         trainer.step(ids)
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
     live = peak = 0
