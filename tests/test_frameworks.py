@@ -139,3 +139,79 @@ def test_lightning_follows_the_installed_policy_and_is_native_after_remove():
     assert native_seen == [BF16] * 3 and seen == [F32] * 3
     assert (after_seen, after_losses) == (native_seen, native_losses)
     assert abs(losses[-1] - native_losses[-1]) <= 0.01 * abs(native_losses[-1]) + 1e-3
+
+
+def _lightning_plugin_run(plugin):
+    import lightning as L
+
+    seen, losses = [], []
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            out = self.net(x)
+            seen.append(out.dtype)
+            loss = torch.nn.functional.mse_loss(out.float(), y)
+            losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 8)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True))  # one batch, seen at every step
+    trainer = L.Trainer(
+        accelerator="cpu", plugins=[plugin], max_steps=8, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Tiny(), torch.utils.data.DataLoader(data, batch_size=8))
+    return seen, losses
+
+
+def test_lightning_plugin_runs_its_policy():
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    seen, losses = _lightning_plugin_run(MixprecPrecision(policy=LINEAR_FP32))
+    assert seen == [F32] * 8 and all(map(lambda v: v == v, losses))
+    seen, _ = _lightning_plugin_run(MixprecPrecision(compute="native"))
+    assert seen == [BF16] * 8
+
+
+def test_lightning_plugin_trains_float16_with_mixprec_grad_scaler():
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    plugin = MixprecPrecision(dtype=torch.float16, compute="emulated")
+    assert isinstance(plugin.scaler, mixprec.GradScaler)
+    seen, losses = _lightning_plugin_run(plugin)
+    assert seen == [torch.float16] * 8
+    assert losses[-1] < losses[0]
+    assert plugin.scaler.get_scale() > 0 and plugin.state_dict()["scale"] == plugin.scaler.get_scale()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"dtype": torch.int8}, ValueError, r"MixprecPrecision: dtype is invalid.*Expected one of: bfloat16, float16"),
+        ({"policy": "CPU"}, TypeError, r"autocast argument 'policy' has the wrong type"),
+        ({"compute": "fast"}, ValueError, r"autocast argument 'compute' is invalid"),
+    ],
+)
+def test_lightning_plugin_bad_arguments(kwargs, error, match):
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    with pytest.raises(error, match=match):
+        MixprecPrecision(**kwargs)
+
+
+def test_import_mixprec_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = "import sys, mixprec; print(sorted({'lightning', 'accelerate'} & set(sys.modules)))"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert found.strip() == "[]"

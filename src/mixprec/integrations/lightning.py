@@ -1,0 +1,79 @@
+"""``MixprecPrecision``: Lightning's mixed precision under ``mixprec.autocast``.
+
+``Trainer(precision="bf16-mixed")`` runs each step under ``torch.autocast``;
+``Trainer(plugins=[MixprecPrecision(...)])`` runs it under ``mixprec.autocast``
+with a policy and a compute choice, and float16 training scales the loss with
+``mixprec.GradScaler``. Everything else (where the region opens, unscaling before
+gradient clipping, skipping steps with non-finite gradients, the scaler's state in
+checkpoints) is Lightning's ``MixedPrecision`` plugin, which this one extends.
+Without the plugin, ``mixprec.install()`` gives the same regions mixprec's
+behaviour. ``lightning`` is imported here only.
+
+Example:
+    >>> import lightning as L
+    >>> from mixprec.integrations.lightning import MixprecPrecision
+    >>> plugin = MixprecPrecision(policy=mixprec.policies.CPU.with_ops(fp32=["linear"]))
+    >>> trainer = L.Trainer(accelerator="cpu", plugins=[plugin], max_steps=1)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from mixprec import _autocast, _devices, _errors
+from mixprec.policies import Policy
+from mixprec.scaler import GradScaler
+
+_PRECISION = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
+
+
+class MixprecPrecision(MixedPrecision):  # type: ignore[misc]
+    """Lightning precision plugin: each step under ``mixprec.autocast``.
+
+    Args:
+        dtype: ``torch.bfloat16`` (default) or ``torch.float16``.
+        policy: The mixprec policy (the device's default if None).
+        compute: ``"auto"``, ``"native"`` or ``"emulated"``, as for ``mixprec.autocast``.
+        scaler: For float16, the loss scaler (a ``mixprec.GradScaler`` for the device if None).
+            bfloat16 needs none and takes none.
+        device: The autocast device type (default ``"cpu"``).
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.bfloat16,
+        policy: Policy | None = None,
+        compute: str = "auto",
+        scaler: Any = None,
+        device: str = "cpu",
+    ) -> None:
+        _devices.spec(device)
+        if dtype not in _PRECISION:
+            raise ValueError(
+                _errors.message(
+                    "MixprecPrecision: dtype is invalid",
+                    "Lightning's mixed precision trains in bfloat16 or float16",
+                    received={"dtype": dtype},
+                    expected=["bfloat16", "float16"],
+                )
+            )
+        _autocast.autocast(device, dtype=dtype, policy=policy, compute=compute)  # the same checks and errors
+        if scaler is None and dtype is torch.float16:
+            scaler = GradScaler(device)
+        super().__init__(_PRECISION[dtype], device, scaler)
+        self.dtype, self.policy, self.compute = dtype, policy, compute
+
+    def autocast_context_manager(self) -> _autocast.autocast:  # type: ignore[override]
+        # Lightning opens its regions without the cast cache; so does this plugin.
+        return _autocast.autocast(
+            self.device, dtype=self.dtype, cache_enabled=False, policy=self.policy, compute=self.compute
+        )
+
+    def __repr__(self) -> str:
+        policy = "default" if self.policy is None else self.policy.name
+        return (
+            f"MixprecPrecision(dtype={self.dtype}, policy={policy}, compute={self.compute!r}, device={self.device!r})"
+        )
