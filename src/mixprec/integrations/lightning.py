@@ -18,7 +18,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -27,7 +27,10 @@ from mixprec import _autocast, _devices, _errors
 from mixprec.policies import Policy
 from mixprec.scaler import GradScaler
 
-_PRECISION = {torch.bfloat16: "bf16-mixed", torch.float16: "16-mixed"}
+_PRECISION: dict[torch.dtype, Literal["bf16-mixed", "16-mixed"]] = {
+    torch.bfloat16: "bf16-mixed",
+    torch.float16: "16-mixed",
+}
 
 
 class MixprecPrecision(MixedPrecision):  # type: ignore[misc]
