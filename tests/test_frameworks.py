@@ -22,6 +22,17 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state(monkeypatch):
+    """TrainingArguments(bf16=True) sets ACCELERATE_MIXED_PRECISION, and Accelerate keeps process-wide state."""
+    from accelerate.state import AcceleratorState
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    AcceleratorState._reset_state(True)
+    yield
+    AcceleratorState._reset_state(True)
+
+
 # --- Hugging Face Trainer -----------------------------------------------------------------------------------
 
 
