@@ -4,6 +4,9 @@ Contenders, each a fresh training run of the same model from the same seed on th
 
 * HF ``Trainer`` (``examples/hf_trainer.py``: a 2-layer GPT-2 classifier): ``bf16=False``;
   ``bf16=True`` with torch's own autocast; ``bf16=True`` under ``mixprec.install()``.
+* Accelerate: the same GPT-2 classifier in a hand-written loop, ``Accelerator(mixed_precision=...,
+  cpu=True)`` with ``accelerator.autocast()``: ``"no"``; ``"bf16"`` with torch's own autocast;
+  ``"bf16"`` under ``mixprec.install()``.
 * Lightning (``examples/lightning_bf16.py``: a 3-layer MLP): ``precision="32-true"``;
   ``"bf16-mixed"`` with torch's own autocast; ``"bf16-mixed"`` under ``mixprec.install()``;
   the ``MixprecPrecision`` plugin.
@@ -54,6 +57,49 @@ def hf_contenders() -> dict[str, Run]:
     }
 
 
+def accelerate_run(bf16: bool, steps: int, install: bool = True) -> tuple[float, float]:
+    """A hand-written Accelerate loop over the HF example's model and data: (median step s, final loss)."""
+    import time
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    os.environ["ACCELERATE_MIXED_PRECISION"] = "bf16" if bf16 else "no"
+    AcceleratorState._reset_state(True)
+    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", cpu=True)
+    model = hf_trainer.make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    data = hf_trainer.make_data()
+    ids = torch.stack([d["input_ids"] for d in data])
+    labels = torch.tensor([d["labels"] for d in data])
+    times, loss = [], float("nan")
+    handle = mixprec.install() if bf16 and install else None
+    try:
+        for step in range(steps):
+            rows = slice((step * 16) % len(data), (step * 16) % len(data) + 16)
+            start = time.perf_counter()
+            with accelerator.autocast():
+                out = model(input_ids=ids[rows], labels=labels[rows])
+            accelerator.backward(out.loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.perf_counter() - start)
+            loss = out.loss.item()
+    finally:
+        if handle is not None:
+            handle.remove()
+    return statistics.median(times[2:] or times), loss
+
+
+def accelerate_contenders() -> dict[str, Run]:
+    return {
+        "float32": lambda steps: accelerate_run(False, steps),
+        "torch bf16": lambda steps: accelerate_run(True, steps, install=False),
+        "mixprec bf16": lambda steps: accelerate_run(True, steps),
+    }
+
+
 def lightning_contenders() -> dict[str, Run]:
     from mixprec.integrations.lightning import MixprecPrecision
 
@@ -98,7 +144,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--frameworks", nargs="+", choices=["hf", "lightning"], default=["hf", "lightning"])
+    frameworks = ["hf", "accelerate", "lightning"]
+    parser.add_argument("--frameworks", nargs="+", choices=frameworks, default=frameworks)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
@@ -107,6 +154,8 @@ def main() -> int:
     ok = True
     if "hf" in args.frameworks:
         ok &= report("HF Trainer, 2-layer GPT-2 classifier", measure(hf_contenders(), args.rounds, args.steps))
+    if "accelerate" in args.frameworks:
+        ok &= report("Accelerate loop, the same GPT-2", measure(accelerate_contenders(), args.rounds, args.steps))
     if "lightning" in args.frameworks:
         ok &= report("Lightning, 3-layer MLP", measure(lightning_contenders(), args.rounds, args.steps))
     return 0 if ok else 1

@@ -103,6 +103,26 @@ def test_accelerate_autocast_follows_the_installed_policy():
     assert seen == [BF16, F32]
 
 
+def test_accelerate_loop_with_checkpointing_gives_the_gradients_without_it():
+    from accelerate import Accelerator
+    from torch.utils.checkpoint import checkpoint
+
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    grads = []
+    for use_checkpoint in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 2))
+        model = accelerator.prepare(model)
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+        with mixprec.install(LINEAR_FP32), accelerator.autocast():
+            out = checkpoint(model, x, use_reentrant=False) if use_checkpoint else model(x)
+            loss = out.float().square().mean()
+        accelerator.backward(loss)
+        grads.append([out.detach(), *(p.grad for p in model.parameters())])
+    for a, b in zip(*grads, strict=True):
+        assert a.dtype is b.dtype and torch.equal(a, b)
+
+
 # --- Lightning ----------------------------------------------------------------------------------------------
 
 

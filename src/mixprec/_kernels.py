@@ -177,14 +177,18 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
             _guard.guard_trace()
         setting = state.active.get(device_type)
         if setting is None:
-            setting = _recompute.setting(device_type) or _install.setting(device_type)
-            table = native_entries(device_type) if setting is None else entries(setting)
-        else:
-            # In forward, inside a checkpoint (saved-tensor hooks, or no_grad for the reentrant one): leave the
-            # setting for its recompute.
-            if task_id() < 0 and (not grad_enabled() or saved_tensors_hooks(False) is not None):
-                _recompute.record(setting)
-            table = setting.__dict__.get("entries") or entries(setting)
+            setting = _recompute.setting(device_type)  # in a checkpoint's recompute
+            if setting is None:
+                setting = _install.setting(device_type)
+                if setting is None:
+                    return _call(native_entries(device_type), keyset, args, kwargs)
+        # In forward, inside a checkpoint (saved-tensor hooks, or no_grad for the reentrant one): leave the
+        # setting for its recompute, which may run after the region, or the installation, is gone.
+        if task_id() < 0 and (not grad_enabled() or saved_tensors_hooks(False) is not None):
+            _recompute.record(setting)
+        return _call(setting.__dict__.get("entries") or entries(setting), keyset, args, kwargs)
+
+    def _call(table: dict[Op, Entry], keyset: Any, args: Any, kwargs: Any) -> Any:
         entry = table.get(op)
         if entry is None:
             return op.redispatch(keyset & after, *args, **kwargs)
