@@ -10,8 +10,10 @@ about 0.1 ms and torch.compile caches graphs against the kernels it saw.
 Each kernel serves every thread and every region::
 
     setting = this thread's innermost mixprec setting for the device
-    table   = the setting's categories, or torch's native ones if there is none
-              (a plain torch.autocast region, or a checkpoint's recompute: see _recompute)
+              or, in a checkpoint's recompute, the one its forward left (_recompute)
+              or the one mixprec.install put in force (_install)
+    in forward inside a checkpoint: leave setting on it for the recompute
+    table   = the setting's categories, or torch's native ones if there is no setting
     rule    = table[op]
     if no rule: redispatch below the Autocast key with autocast still on (torch's fallthrough)
     else:       with the Autocast key excluded: rule(op, ...)  (casts, then the op below autocast)

@@ -12,7 +12,7 @@ forward, and read them back during the recompute::
         -> record[device] = setting          (once per checkpoint call)
     recompute, in a kernel with no setting of its own (backward, graph task >= 0):
         non-reentrant: the frame behind the recomputation hooks;  reentrant: CheckpointFunction.backward's ctx
-        -> record[device], or torch's native behaviour if none was left
+        -> record[device]; if none was left, the installed setting or torch's native behaviour
 
 Only kernels record, which is enough: an op with no mixprec kernel runs the same
 in forward and in recompute, and if no kernel ran in a checkpointed forward,
@@ -31,7 +31,7 @@ import torch
 from mixprec import _state
 
 _ATTRIBUTE = "_mixprec_settings"
-_no_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _codes: dict[str, Any] = {}
 
 
@@ -74,7 +74,7 @@ def _reentrant_ctx(code: Any) -> Any:
 
 
 def _holder(forward: bool) -> Any:
-    hooks = _no_hooks(False)
+    hooks = _top_hooks(False)
     if hooks is not None:
         return _frame_of(hooks[0])
     if forward and torch.is_grad_enabled():
@@ -97,7 +97,7 @@ def record(setting: _state.Setting) -> None:
 
 
 def setting(device_type: str) -> _state.Setting | None:
-    """In a recompute: the setting its forward left for ``device_type`` (None: native)."""
+    """In a recompute: the setting its forward left for ``device_type`` (None: none was left)."""
     if torch.compiler.is_compiling() or torch._C._current_graph_task_id() < 0:
         return None
     holder = _holder(forward=False)
