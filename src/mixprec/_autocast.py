@@ -178,8 +178,7 @@ def enter(
     state = _state._state
     previous = None
     if setting is not None:
-        if _kernels._ensured.get(setting.key) is not setting.policy:
-            _kernels.ensure(setting)
+        _kernels.ensure(setting)
         previous = state.active.get(device)
         state.active[device] = setting
     saved = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
