@@ -65,12 +65,12 @@ class autocast:  # noqa: N801 - torch's name
     ) -> None:
         compiling = torch.compiler.is_compiling()
         key = (device_type, dtype, enabled, type(enabled), cache_enabled, type(cache_enabled), id(policy), compute)
-        found = None if compiling else _configured.get(key) if _hashable(key) else None
-        if found is not None and found[0] is policy:  # checked before: regions are made once per step
-            (
-                _, self.device, self.fast_dtype, self._cache_enabled, self._policy, self._enabled, self._compute,
-                self._emulate, self._emulate_ops, self._setting,
-            ) = found  # fmt: skip
+        try:
+            found = None if compiling else _configured.get(key)
+        except TypeError:  # an unhashable argument: checked below, and refused
+            found = None
+        if found is not None and found["_policy"] is policy:  # checked before: regions are made once per step
+            self.__dict__.update(found)
             return
         spec = _devices.spec(device_type)
         _check_type("dtype", dtype, torch.dtype, optional=True)
@@ -93,10 +93,7 @@ class autocast:  # noqa: N801 - torch's name
             self._setting = _state.setting(device_type, chosen, self._emulate, self._emulate_ops)
             if len(_configured) > 256:
                 _configured.clear()
-            _configured[key] = (
-                policy, self.device, self.fast_dtype, self._cache_enabled, self._policy, self._enabled,
-                self._compute, self._emulate, self._emulate_ops, self._setting,
-            )  # fmt: skip
+            _configured[key] = dict(self.__dict__)
 
     def __enter__(self) -> autocast:
         setting = self._setting
@@ -149,16 +146,8 @@ class autocast:  # noqa: N801 - torch's name
         )
 
 
-#: autocast's arguments -> what __init__ derived from them (the policy, for an identity check, first).
-_configured: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-
-
-def _hashable(key: tuple[Any, ...]) -> bool:
-    try:
-        hash(key)
-    except TypeError:
-        return False
-    return True
+#: autocast's arguments -> the attributes __init__ derived from them (``_policy`` is checked by identity).
+_configured: dict[tuple[Any, ...], dict[str, Any]] = {}
 
 
 def enter(
