@@ -20,7 +20,7 @@ Algorithm::
     for each case:
         warm up every contender; pick `inner` so one sample takes ~--sample-ms
         for r in range(repeats):                       # interleaved
-            for contender in rotate(contenders, r):    # rotating order
+            for contender in permutations(contenders)[r % n]:  # every order in turn
                 t = perf_counter(); step x inner; sample = (perf_counter() - t) / inner
         report the median sample per contender, the ratios of the medians, and
         (paired) the median over repetitions of mixprec/native within one repetition
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -194,11 +195,12 @@ def run_case(case: Case, repeats: int, warmup: int, sample_ms: float) -> None:
         _time(case, region, warmup)
         slowest = max(slowest, min(_time(case, region, 1) for _ in range(3)))
     case.inner = max(1, round(sample_ms / 1e3 / slowest))
-    names = list(regions)
-    case.samples = {name: [] for name in names}
+    # Every order of the contenders in turn: a rotation would keep each contender right behind the same one
+    # (mixprec always after fp32), and the first autocast step after a float32 one runs colder.
+    orders = list(itertools.permutations(regions))
+    case.samples = {name: [] for name in regions}
     for r in range(repeats):
-        for k in range(len(names)):
-            name = names[(r + k) % len(names)]
+        for name in orders[r % len(orders)]:
             case.samples[name].append(_time(case, regions[name], case.inner))
 
 
