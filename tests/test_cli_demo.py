@@ -53,7 +53,7 @@ def test_table_says_emulated_where_the_cpu_has_no_units(fake_cpu_flags, dtype):
     assert _demo.compute_note("cpu", None) == "-"
 
 
-@pytest.mark.parametrize(("dtype", "flag"), [(torch.bfloat16, "avx512_bf16"), (torch.float16, "avx512_fp16")])
+@pytest.mark.parametrize(("dtype", "flag"), [(torch.bfloat16, "avx512_bf16"), (torch.float16, "amx_fp16")])
 def test_table_says_native_and_names_the_flag(fake_cpu_flags, dtype, flag):
     fake_cpu_flags(flag)
     data = _demo.load_digits("cpu")

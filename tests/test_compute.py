@@ -28,7 +28,7 @@ CPU_CASES = {
     "avx512_core-bf16": (("avx512f", "avx512bw", "avx512vl"), torch.bfloat16, False),
     "avx2-bf16": (("avx2", "f16c"), torch.bfloat16, False),
     "avx512_bf16-fp16": (("avx512f", "avx512_bf16"), torch.float16, False),
-    "avx512_fp16-fp16": (("avx512f", "avx512_fp16"), torch.float16, True),
+    "avx512_fp16-fp16": (("avx512f", "avx512_fp16"), torch.float16, False),  # no fast kernels without AMX-FP16
     "amx_fp16-fp16": (("amx_tile", "amx_fp16"), torch.float16, True),
     "avx2-fp16": (("avx2", "f16c"), torch.float16, False),
 }

@@ -10,7 +10,7 @@ The rule for CPUs, from measurements with torch 2.13 (docs/benchmarks.md,
 "When low precision is native on a CPU")::
 
     bfloat16 native  iff  oneDNN may use AVX512-BF16 or AMX-BF16 (x86), or BF16 (aarch64)
-    float16  native  iff  oneDNN may use AVX512-FP16 or AMX-FP16 (x86), or FP16 arithmetic (aarch64)
+    float16  native  iff  oneDNN may use AMX-FP16 (x86), or FP16 arithmetic (aarch64)
 
 "may use": the CPU flag is present (``/proc/cpuinfo``, or torch's own CPU
 probes) and ``ONEDNN_MAX_CPU_ISA`` does not cap oneDNN below that ISA. Measured
@@ -18,7 +18,11 @@ on an AMD EPYC with AVX512-BF16 and no AMX or AVX512-FP16: bfloat16 mm,
 linear and convolutions run at 0.3-0.6x the float32 time; with oneDNN capped
 at AVX512_CORE (no BF16 instructions) they cost 2.6-3x float32, and capped at
 AVX2 (torch then leaves oneDNN for a scalar fallback) 9-108x; float16 costs
-8-100x float32 there in every setting. ATen's vectorization level
+8-100x float32 there in every setting. Measured on an Intel Xeon with AVX512-FP16
+and AMX-BF16 but no AMX-FP16: float16 mm, linear and SDPA run at 0.9-1.1x float32
+and convolutions at 1.4x (no gain), and a float16 convolution's backward is a slow
+fallback (42x float32; the demo's float16 step costs 64x), so AVX512-FP16 alone
+does not make float16 native. ATen's vectorization level
 (``torch.backends.cpu.get_cpu_capability()``) does not decide it: bfloat16 mm
 stayed at 0.3x float32 with ``ATEN_CPU_CAPABILITY=default``. It is reported in
 ``KernelSupport.evidence`` only.
@@ -62,12 +66,12 @@ _ONEDNN_ISAS = (
     "AVX512_CORE_AMX_FP16",
     "ALL",
 )
-_ONEDNN_NEEDS = {torch.bfloat16: "AVX512_CORE_BF16", torch.float16: "AVX10_1_512"}
+_ONEDNN_NEEDS = {torch.bfloat16: "AVX512_CORE_BF16", torch.float16: "AVX10_1_512_AMX_FP16"}
 
 # CPU flags (as /proc/cpuinfo spells them) that give native matrix kernels.
 _CPU_FLAGS = {
     torch.bfloat16: ("avx512_bf16", "amx_bf16", "bf16"),
-    torch.float16: ("avx512_fp16", "amx_fp16", "asimdhp"),
+    torch.float16: ("amx_fp16", "asimdhp"),
 }
 # torch's own probes of the same instructions, where this torch has them.
 _TORCH_PROBES = {
@@ -177,7 +181,7 @@ def kernel_support(device_type: str, dtype: torch.dtype) -> KernelSupport:
 
     Example:
         >>> print(mixprec.kernel_support("cpu", torch.float16))  # doctest: +SKIP
-        cpu float16: emulated (no CPU flag among avx512_fp16, amx_fp16, asimdhp; capability AVX512)
+        cpu float16: emulated (no CPU flag among amx_fp16, asimdhp; capability AVX512)
     """
     detect = _DETECTORS.get(device_type)
     if detect is None:
@@ -210,7 +214,8 @@ def check_compute(compute: object) -> str:
 
 
 #: Overloads a device has no low-precision kernel for even where its matrix kernels are native: oneDNN's
-#: RNN primitive has no float16 (measured on an Intel Xeon with AVX512-FP16 and AMX: native autocast raises).
+#: RNN primitive has no float16 (native autocast raises on an Intel Xeon with AVX512-FP16 and AMX-BF16; kept
+#: for CPUs with AMX-FP16, where float16 is otherwise native).
 _NO_NATIVE_KERNEL = {("cpu", torch.float16): frozenset({"aten::mkldnn_rnn_layer"})}
 
 
