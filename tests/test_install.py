@@ -108,3 +108,22 @@ def test_checkpoint_recompute_under_an_installation_gives_the_uncheckpointed_gra
     for a, b in zip(*grads, strict=True):
         assert a.dtype is b.dtype and torch.equal(a, b)
     assert grads[0][0].dtype is F32
+
+
+def test_a_native_forward_recomputes_natively_even_after_an_install():
+    with mixprec.autocast("cpu", policy=LINEAR_FP32):
+        pass  # linear now goes through mixprec's kernel
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    grads = []
+    for use in (False, True):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu"):
+            out = checkpoint(model, x, use_reentrant=False) if use else model(x)
+        with mixprec.install(LINEAR_FP32):  # installed only for the backward, and the recompute in it
+            out.float().sum().backward()
+        grads.append([out.detach(), *(p.grad.clone() for p in model.parameters())])
+    for a, b in zip(*grads, strict=True):
+        assert a.dtype is b.dtype and torch.equal(a, b)
+    assert grads[0][0].dtype is BF16

@@ -180,15 +180,23 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
         setting = state.active.get(device_type)
         if setting is None:
             setting = _recompute.setting(device_type)  # in a checkpoint's recompute
+            if setting is _recompute.NATIVE:
+                return _call(native_entries(device_type), keyset, args, kwargs)
             if setting is None:
                 setting = _install.setting(device_type)
                 if setting is None:
+                    if in_checkpointed_forward():
+                        _recompute.record_native(device_type)
                     return _call(native_entries(device_type), keyset, args, kwargs)
-        # In forward, inside a checkpoint (saved-tensor hooks, or no_grad for the reentrant one): leave the
-        # setting for its recompute, which may run after the region, or the installation, is gone.
-        if task_id() < 0 and (not grad_enabled() or saved_tensors_hooks(False) is not None):
+        # In forward, inside a checkpoint: leave the setting for its recompute, which may run after the
+        # region, or the installation, is gone.
+        if in_checkpointed_forward():
             _recompute.record(setting)
         return _call(setting.__dict__.get("entries") or entries(setting), keyset, args, kwargs)
+
+    def in_checkpointed_forward() -> bool:
+        """Forward, and possibly inside a checkpoint: saved-tensor hooks, or no_grad for the reentrant one."""
+        return task_id() < 0 and (not grad_enabled() or saved_tensors_hooks(False) is not None)
 
     def _call(table: dict[Op, Entry], keyset: Any, args: Any, kwargs: Any) -> Any:
         entry = table.get(op)

@@ -82,9 +82,25 @@ def _holder(forward: bool) -> Any:
     return _reentrant_ctx(_checkpoint_code("forward" if forward else "backward"))
 
 
+#: Left by a forward that ran torch's native behaviour, so that its recompute does too (even if
+#: ``mixprec.install`` came in between).
+NATIVE: Any = object()
+
+
 def record(setting: _state.Setting) -> None:
     """In forward: leave ``setting`` on the checkpoint running this code, if any."""
-    if setting.from_module or torch.compiler.is_compiling():
+    if setting.from_module:
+        return
+    _leave(setting.device_type, setting)
+
+
+def record_native(device_type: str) -> None:
+    """In forward: leave ``NATIVE`` on the checkpoint running this code, if any."""
+    _leave(device_type, NATIVE)
+
+
+def _leave(device_type: str, value: Any) -> None:
+    if torch.compiler.is_compiling():
         return
     holder = _holder(forward=True)
     if holder is None:
@@ -93,11 +109,11 @@ def record(setting: _state.Setting) -> None:
     if settings is None:
         settings = {}
         setattr(holder, _ATTRIBUTE, settings)
-    settings.setdefault(setting.device_type, setting)
+    settings.setdefault(device_type, value)
 
 
-def setting(device_type: str) -> _state.Setting | None:
-    """In a recompute: the setting its forward left for ``device_type`` (None: none was left)."""
+def setting(device_type: str) -> Any:
+    """In a recompute: the setting its forward left for ``device_type``, ``NATIVE``, or None (none was left)."""
     if torch.compiler.is_compiling() or torch._C._current_graph_task_id() < 0:
         return None
     holder = _holder(forward=False)
