@@ -15,8 +15,6 @@ import functools
 import threading
 from typing import Any
 
-import torch
-
 from mixprec.policies import Policy
 
 
@@ -72,8 +70,3 @@ _state = ThreadState()
 def get() -> ThreadState:
     """This thread's mixprec state."""
     return _state
-
-
-def torch_enabled(device_type: str) -> bool:
-    """Whether torch's autocast is on for ``device_type`` in this thread (whoever turned it on)."""
-    return bool(torch.is_autocast_enabled(device_type))

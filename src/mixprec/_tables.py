@@ -175,8 +175,3 @@ def check_native(device_type: str) -> None:
         ),
         _errors.MixprecWarning,
     )
-
-
-def native_category(op: Op, device_type: str) -> Category | None:
-    """The category torch's own autocast applies to ``op`` on the device (None: not autocast)."""
-    return native(device_type).get(op)
