@@ -142,13 +142,10 @@ def _documented() -> tuple[str, ...]:
     return DOCUMENTED
 
 
-def _categories_of_default(device_type: str) -> dict[Op, Category]:
-    return _default_categories(default_policy(device_type))
-
-
 @functools.cache
-def _default_categories(policy: Policy) -> dict[Op, Category]:
-    return categories(policy)
+def _categories_of_default(device_type: str) -> dict[Op, Category]:
+    """``categories`` of the device's default policy (built once per device)."""
+    return categories(default_policy(device_type))
 
 
 _checked: set[str] = set()
