@@ -105,6 +105,15 @@ class autocast:  # noqa: N801 - torch's name
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if not _state._state.frames:
+            raise RuntimeError(
+                _errors.message(
+                    "autocast.__exit__ called out of order",
+                    "no autocast region is open in this thread",
+                    received={"region": self},
+                    fix="Use the region in a with statement, which enters it before it exits.",
+                )
+            )
         leave(_state._state, 1)
 
     def _setting_for(self, state: _state.ThreadState) -> _state.Setting:
@@ -119,6 +128,16 @@ class autocast:  # noqa: N801 - torch's name
         return setting
 
     def __call__(self, func: F) -> F:
+        if not callable(func):
+            raise TypeError(
+                _errors.message(
+                    "autocast cannot decorate this object",
+                    "as a decorator it wraps a function",
+                    received={"func": func},
+                    expected="a callable",
+                )
+            )
+
         @functools.wraps(func)
         def decorate_autocast(*args: Any, **kwargs: Any) -> Any:
             with self._fresh():
@@ -299,6 +318,7 @@ def get_autocast_dtype(device_type: str) -> torch.dtype:
 
 def get_policy(device_type: str) -> Policy:
     """The policy in force for ``device_type``: the region's, else the installed one, else the device's default."""
+    _devices.spec(device_type)
     setting = _state.get().active.get(device_type)
     if setting is not None:
         return setting.policy

@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from mixprec import _errors
+from mixprec import _devices, _errors
 from mixprec._constant import constant
 
 COMPUTE_MODES = ("auto", "native", "emulated")
@@ -183,6 +183,21 @@ def kernel_support(device_type: str, dtype: torch.dtype) -> KernelSupport:
         >>> print(mixprec.kernel_support("cpu", torch.float16))  # doctest: +SKIP
         cpu float16: emulated (no CPU flag among amx_fp16, asimdhp; capability AVX512)
     """
+    spec = _devices.spec(device_type)
+    if not isinstance(dtype, torch.dtype) or dtype not in spec.supported_dtypes:
+        raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
+            _errors.message(
+                "kernel_support: dtype is invalid",
+                f"it must be a low-precision dtype {device_type} autocast supports",
+                received={"dtype": dtype},
+                expected=[_devices.dtype_name(d) for d in spec.supported_dtypes],
+            )
+        )
+    return _support(device_type, dtype)
+
+
+def _support(device_type: str, dtype: torch.dtype) -> KernelSupport:
+    """``kernel_support`` without the argument checks (its callers pass checked values)."""
     detect = _DETECTORS.get(device_type)
     if detect is None:
         return KernelSupport(device_type, dtype, True, "no detector for this device type; assumed native")
@@ -235,5 +250,5 @@ def emulates(compute: str, device_type: str, dtype: torch.dtype) -> bool:
     /proc/cpuinfo and the environment once per process.
     """
     if compute == "auto":
-        return not kernel_support(device_type, dtype).native
+        return not _support(device_type, dtype).native
     return compute == "emulated"

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _autocast, _cast, _devices, _state
+from mixprec import _autocast, _cast, _devices, _errors, _state
 
 
 def _cast_inputs(value: Any, device_type: str, dtype: torch.dtype) -> Any:
@@ -40,6 +40,14 @@ def _cast_inputs(value: Any, device_type: str, dtype: torch.dtype) -> Any:
     return value
 
 
+def _check_callable(where: str, name: str, value: object) -> None:
+    if not callable(value):
+        raise TypeError(
+            _errors.message(f"{where}: {name} is invalid", "it decorates a custom Function's staticmethod",
+                            received={name: value}, expected="a callable")
+        )
+
+
 def custom_fwd(
     fwd: Callable[..., Any] | None = None,
     *,
@@ -56,8 +64,14 @@ def custom_fwd(
             autocast off. If None, forward runs in the surrounding state.
     """
     _devices.spec(device_type)
+    if cast_inputs is not None and not isinstance(cast_inputs, torch.dtype):
+        raise TypeError(
+            _errors.message("custom_fwd: cast_inputs is invalid", "it is the dtype forward's inputs are cast to",
+                            received={"cast_inputs": cast_inputs}, expected="a torch.dtype or None")
+        )
     if fwd is None:
         return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
+    _check_callable("custom_fwd", "fwd", fwd)
 
     @functools.wraps(fwd)
     def decorate_fwd(*args: Any, **kwargs: Any) -> Any:
@@ -85,6 +99,7 @@ def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> An
     _devices.spec(device_type)
     if bwd is None:
         return functools.partial(custom_bwd, device_type=device_type)
+    _check_callable("custom_bwd", "bwd", bwd)
 
     @functools.wraps(bwd)
     def decorate_bwd(*args: Any, **kwargs: Any) -> Any:

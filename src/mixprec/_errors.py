@@ -23,8 +23,12 @@ class AutocastDisabledWarning(MixprecWarning):
 
 
 def describe(value: Any) -> str:
-    """Render a received value and its type, as the error texts show them."""
-    return f"{value!r} (type {type(value).__module__}.{type(value).__qualname__})"
+    """Render a received value and its type, as the error texts show them (on one line: a tensor's or a
+    module's repr spans several)."""
+    text = repr(value)
+    if "\n" in text:
+        text = " ".join(text.split())
+    return f"{text} (type {type(value).__module__}.{type(value).__qualname__})"
 
 
 def message(

@@ -137,20 +137,24 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
     def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         state = _state.get()
         devices = _enabled_devices()
-        for device in devices:
+        for entered, device in enumerate(devices):
             dtype, cache = torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled()
-            if isinstance(policy, Policy):
-                current = state.active.get(device) or _recompute.setting(device) or _install.setting(device)
-                setting = (
-                    _state.Setting(device, policy, from_module=True)
-                    if current is None
-                    else dataclasses.replace(current, policy=policy, from_module=True)
-                )
-                _autocast.enter(device, setting, dtype, True, cache)
-            else:
-                args = _custom._cast_inputs(args, device, torch.float32)
-                kwargs = _custom._cast_inputs(kwargs, device, torch.float32)
-                _autocast.enter(device, None, dtype, False, cache)
+            try:
+                if isinstance(policy, Policy):
+                    current = state.active.get(device) or _recompute.setting(device) or _install.setting(device)
+                    setting = (
+                        _state.Setting(device, policy, from_module=True)
+                        if current is None
+                        else dataclasses.replace(current, policy=policy, from_module=True)
+                    )
+                    _autocast.enter(device, setting, dtype, True, cache)
+                else:
+                    args = _custom._cast_inputs(args, device, torch.float32)
+                    kwargs = _custom._cast_inputs(kwargs, device, torch.float32)
+                    _autocast.enter(device, None, dtype, False, cache)
+            except BaseException:  # the hook closes only what a finished pre-hook opened: close these levels
+                _autocast.leave(state, entered)
+                raise
         if isinstance(policy, Policy):
             state.module_policies.append(policy)
         _frames.stack.append((token, len(devices), isinstance(policy, Policy)))

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _cast, _emulate, _state
+from mixprec import _cast, _emulate, _errors, _state
 from mixprec.policies import Category
 
 _float32 = torch.float32
@@ -126,9 +126,14 @@ def promote_dtype(device: str, dtype: torch.dtype, args: tuple[Any, ...], kwargs
             return _float32
         if t.dtype is not dtype:
             raise RuntimeError(
-                f"autocast promote: inputs mix {t.dtype} with the autocast dtype {dtype}, "
-                "and autocast promotes only between float32 and the autocast dtype. "
-                "Cast the inputs to one dtype before the call."
+                _errors.message(
+                    "autocast promote",
+                    f"inputs mix another lower-precision dtype with the autocast dtype {dtype}, and autocast "
+                    "promotes only between float32 and the autocast dtype",
+                    received={"dtype": t.dtype},
+                    expected=["float32", str(dtype).removeprefix("torch.")],
+                    fix="Cast the inputs to one dtype before the call.",
+                )
             )
     return to
 

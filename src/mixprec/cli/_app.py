@@ -13,6 +13,7 @@ try:  # typer >= 0.25 vendors click
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exceptions  # type: ignore[no-redef]
 
+from mixprec import _errors
 from mixprec.cli._common import CliError
 
 app = typer.Typer(
@@ -90,18 +91,42 @@ def policy_explain(
 
 def run(argv: list[str] | None = None) -> None:
     """Run the app; bad input prints ``mixprec: error: ...`` on one line and exits with 2."""
+    if argv is not None and not (isinstance(argv, (list, tuple)) and all(isinstance(a, str) for a in argv)):
+        raise TypeError(
+            _errors.message("mixprec.cli.main: argv is invalid", "it holds the command line's words",
+                            received={"argv": argv}, expected="None (sys.argv) or a list of str")
+        )
     try:
         code = app(args=argv, prog_name="mixprec", standalone_mode=False)  # --help returns its exit code
     except CliError as error:
         _fail(str(error))
     except click_exceptions.UsageError as error:
-        _fail(error.format_message().replace("\n", " "))
+        if type(error).__name__ == "NoArgsIsHelpError":  # the help is printed already; name what is missing
+            ctx = error.ctx
+            listed = getattr(ctx.command, "list_commands", None) if ctx is not None else None
+            _fail("missing command; expected one of: " + ", ".join(listed(ctx) if listed is not None else []))
+        _fail(error.format_message().replace("\n", " ") + _received(error, argv))
     except typer.Abort:
         _fail("aborted")
     except typer.Exit as done:
         sys.exit(done.exit_code)
     if isinstance(code, int) and code:
         sys.exit(code)
+
+
+def _received(error: click_exceptions.UsageError, argv: list[str] | None) -> str:
+    """`` (received '-3')`` for an option's bad value (click's message names the option, not the value)."""
+    param = getattr(error, "param", None)
+    if not isinstance(error, click_exceptions.BadParameter) or param is None:
+        return ""
+    words = list(sys.argv[1:] if argv is None else argv)
+    for i, word in enumerate(words):
+        for opt in getattr(param, "opts", ()):
+            if word.startswith(opt + "="):
+                return f" (received {word[len(opt) + 1:]!r})"
+            if word == opt and i + 1 < len(words):
+                return f" (received {words[i + 1]!r})"
+    return ""
 
 
 def _fail(text: str) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from mixprec import _devices
@@ -30,3 +32,10 @@ def low_dtype(device: str, name: str | None) -> torch.dtype:
     if name not in names:
         raise CliError(f"unknown dtype {name!r} for {device} autocast; expected one of: {', '.join(names)}")
     return names[name]
+
+
+def out_dir(out: Path) -> Path:
+    """``--out``, checked before any work: a directory, or a path where one can be made."""
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {str(out)!r} is a file; expected a directory (made if missing)")
+    return out

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import mixprec
-from mixprec.cli._common import device_type
+from mixprec.cli._common import device_type, out_dir
 from mixprec.diagnostics import CastCounter
 
 BATCH = 128
@@ -214,6 +214,7 @@ def run_demo(steps: int, device: str, out: Path) -> None:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     device = device_type(device)
+    out = out_dir(out)
     console = Console(width=max(Console().width, 132))  # the table needs ~128 columns
     data = load_digits(device)
     console.print(f"Digits: {len(data[1])} train / {len(data[3])} test images, batch {BATCH}, {steps} steps per run, "

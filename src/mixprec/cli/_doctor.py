@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mixprec.cli._common import CliError, device_type, low_dtype
+from mixprec.cli._common import CliError, device_type, low_dtype, out_dir
 from mixprec.cli._report import write_html
 from mixprec.diagnostics import Diagnosis, OpReport, diagnose
 
@@ -82,10 +82,10 @@ def _policy(path: Path | None) -> Any:
     import mixprec
 
     if not path.is_file():
-        raise CliError(f"--policy file {str(path)!r} does not exist")
+        raise CliError(f"--policy file {str(path)!r} " + ("is not a file" if path.exists() else "does not exist"))
     try:
         return mixprec.Policy.from_file(path)
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, OSError) as error:
         raise CliError(f"--policy file {str(path)!r} is not a policy: {error}".replace("\n", " ")) from None
 
 
@@ -150,11 +150,16 @@ def run_doctor(target: str, device: str, dtype: str | None, policy: Path | None,
 
     device = device_type(device)
     low = low_dtype(device, dtype)
+    out = out_dir(out)
     chosen = _policy(policy)
     loaded = load_target(target)
     console = Console(width=max(Console().width, 150))
     with console.status("Running float32 and autocast passes..."):
-        diagnosis = diagnose(loaded, device, low, chosen)
+        try:
+            diagnosis = diagnose(loaded, device, low, chosen)
+        except Exception as error:  # the model failed (wrong inputs, a failing loss_fn): bad input, as in load_target
+            text = f"TARGET {target!r} failed when run: {type(error).__name__}: {error}"
+            raise CliError(text.replace("\n", " ")) from None
     console.print(_table(diagnosis))
     for line in _summary(diagnosis):
         console.print(line, highlight=False, markup=False, soft_wrap=True)

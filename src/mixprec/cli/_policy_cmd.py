@@ -15,10 +15,10 @@ def resolve(name: str) -> Any:
 
     if name.endswith(".toml") or Path(name).is_file():
         if not Path(name).is_file():
-            raise CliError(f"policy file {name!r} does not exist")
+            raise CliError(f"policy file {name!r} " + ("is not a file" if Path(name).exists() else "does not exist"))
         try:
             return mixprec.Policy.from_file(name)
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, OSError) as error:
             raise CliError(f"policy file {name!r} is not a policy: {error}".replace("\n", " ")) from None
     if name.upper() in mixprec.policies.BUILTIN:
         return getattr(mixprec.policies, name.upper())

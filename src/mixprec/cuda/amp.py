@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from mixprec._autocast import autocast as _autocast
+from mixprec._custom import _check_callable
 from mixprec._custom import custom_bwd as _custom_bwd
 from mixprec._custom import custom_fwd as _custom_fwd
 from mixprec.scaler import GradScaler as _GradScaler
@@ -29,6 +30,7 @@ def custom_fwd(fwd: Callable[..., Any] | None = None, *, cast_inputs: torch.dtyp
 
 def custom_bwd(bwd: Callable[..., Any]) -> Any:
     """``torch.cuda.amp.custom_bwd``: mixprec.custom_bwd with device_type='cuda'."""
+    _check_callable("custom_bwd", "bwd", bwd)  # None would make mixprec.custom_bwd return a decorator
     return _custom_bwd(bwd, device_type="cuda")
 
 

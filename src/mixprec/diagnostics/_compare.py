@@ -67,8 +67,42 @@ class Run:
 Target = tuple[torch.nn.Module, tuple[Any, ...], Callable[..., Any] | None]
 
 
+def check_target(where: str, target: object) -> None:
+    """TypeError unless ``target`` is ``(model, example_inputs, loss_fn or None)``."""
+    if not (
+        isinstance(target, tuple)
+        and len(target) == 3
+        and isinstance(target[0], torch.nn.Module)
+        and isinstance(target[1], tuple)
+        and (target[2] is None or callable(target[2]))
+    ):
+        raise TypeError(
+            mixprec._errors.message(
+                f"{where}: target is invalid",
+                "it is the model, its positional inputs and a loss function (or None)",
+                received={"target": target},
+                expected="a tuple (torch.nn.Module, tuple of inputs, callable or None)",
+            )
+        )
+
+
 def run_once(target: Target, region: contextlib.AbstractContextManager[Any], record: bool = True) -> Run:
     """Forward (and backward with a loss) inside ``region``; the recorder sits below it."""
+    check_target("run_once", target)
+    if not (hasattr(region, "__enter__") and hasattr(region, "__exit__")):
+        raise TypeError(
+            mixprec._errors.message(
+                "run_once: region is invalid",
+                "the model runs inside it",
+                received={"region": region},
+                expected="a context manager such as mixprec.autocast(...)",
+            )
+        )
+    if not isinstance(record, bool):
+        raise TypeError(
+            mixprec._errors.message("run_once: record is invalid", "it says whether to record the ops",
+                                    received={"record": record}, expected="True or False")
+        )
     model, inputs, loss_fn = target
     model.zero_grad(set_to_none=True)
     recorder = Recorder(model) if record else contextlib.nullcontext()
@@ -107,6 +141,17 @@ def _lost(ref: torch.Tensor | None, low: torch.dtype) -> tuple[float | None, flo
 
 def compare(reference: Run, amp: Run, low: torch.dtype) -> list[OpReport]:
     """One OpReport per op of the autocast run, then one per parameter gradient."""
+    for name, value in (("reference", reference), ("amp", amp)):
+        if not isinstance(value, Run):
+            raise TypeError(
+                mixprec._errors.message(f"compare: {name} is invalid", "it is what run_once returned",
+                                        received={name: value}, expected="a mixprec.diagnostics.Run")
+            )
+    if low not in (torch.bfloat16, torch.float16):
+        raise (ValueError if isinstance(low, torch.dtype) else TypeError)(
+            mixprec._errors.message("compare: low is invalid", "it is the autocast run's low-precision dtype",
+                                    received={"low": low}, expected=["bfloat16", "float16"])
+        )
     by_key = {r.key: r.output for r in reference.records}
     low_name = str(low).removeprefix("torch.")
     rows = []

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 
 import mixprec
-from mixprec import _devices
+from mixprec import _devices, _errors
 from mixprec.diagnostics._compare import (
     OpReport,
     Target,
     autocast_region,
+    check_target,
     compare,
     first_nonfinite,
     module_source,
@@ -61,9 +62,19 @@ class Diagnosis:
 
     def worst(self, count: int = 10) -> list[OpReport]:
         """The ``count`` worst rows: inf/NaN first, then overflow/underflow, then relative error."""
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise (ValueError if isinstance(count, int) and not isinstance(count, bool) else TypeError)(
+                _errors.message("Diagnosis.worst: count is invalid", "it is how many rows to return",
+                                received={"count": count}, expected="an int >= 0")
+            )
         return sorted(self.rows, key=OpReport.badness, reverse=True)[:count]
 
     def to_json(self, target: str) -> dict[str, Any]:
+        if not isinstance(target, str):
+            raise TypeError(
+                _errors.message("Diagnosis.to_json: target is invalid", "it names what was diagnosed",
+                                received={"target": target}, expected="a str such as 'path/to/file.py:build'")
+            )
         first = self.first
         return {
             "schema": SCHEMA,
@@ -121,6 +132,22 @@ def diagnose(target: Target, device: str, dtype: torch.dtype, policy: mixprec.Po
         >>> d = diagnose((model, (x,), None), "cpu", torch.float16)
         >>> d.first.module if d.first else None
     """
+    check_target("diagnose", target)
+    spec = _devices.spec(device)
+    if dtype not in spec.supported_dtypes:
+        raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
+            _errors.message(
+                "diagnose: dtype is invalid",
+                f"it must be a low-precision dtype {device} autocast supports",
+                received={"dtype": dtype},
+                expected=[_devices.dtype_name(d) for d in spec.supported_dtypes],
+            )
+        )
+    if policy is not None and not isinstance(policy, mixprec.Policy):
+        raise TypeError(
+            _errors.message("diagnose: policy is invalid", "it is the policy to run under",
+                            received={"policy": policy}, expected="a mixprec.Policy or None")
+        )
     model = target[0]
 
     def region() -> mixprec.autocast:

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import mixprec
-from mixprec import _emulate
+from mixprec import _emulate, _errors
 
 _MIXPREC_DIR = os.path.dirname(os.path.abspath(mixprec.__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -170,6 +170,16 @@ class Recorder(_Tap):
     """
 
     def __init__(self, model: torch.nn.Module, *, keep_outputs: bool = True) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                _errors.message("Recorder: model is invalid", "the recorder names ops by its module paths",
+                                received={"model": model}, expected="a torch.nn.Module")
+            )
+        if not isinstance(keep_outputs, bool):
+            raise TypeError(
+                _errors.message("Recorder: keep_outputs is invalid", "it says whether to keep each op's output",
+                                received={"keep_outputs": keep_outputs}, expected="True or False")
+            )
         super().__init__(measure=True)
         self.records: list[OpRecord] = []
         self._model = model

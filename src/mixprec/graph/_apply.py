@@ -26,15 +26,21 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from mixprec import _errors
+from mixprec import _devices, _errors
 from mixprec.graph._casts import Casts, dtype_of, is_cast
 from mixprec.policies import Category, Policy
 
 _float32 = torch.float32
+_LOW = (torch.bfloat16, torch.float16)
 
 
 def cast_nodes(gm: fx.GraphModule) -> int:
     """How many dtype casts (``_to_copy`` / ``to.dtype`` / ``convert_element_type``) ``gm`` holds."""
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError(
+            _errors.message("cast_nodes argument 'gm' has the wrong type", "it counts the casts of an FX graph",
+                            received={"gm": gm}, expected="a torch.fx.GraphModule")
+        )
     return sum(1 for n in gm.graph.nodes if is_cast(n))
 
 
@@ -59,7 +65,7 @@ def apply_policy(
         >>> low = mixprec.graph.apply_policy(ep.module(), mixprec.policies.CPU, torch.bfloat16)
         >>> low(x)  # as model(x) under mixprec.autocast("cpu")
     """
-    _check(gm, policy, dtype)
+    _check(gm, policy, dtype, device_type)
     fake_mode = _fake_mode(gm)
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
@@ -208,7 +214,9 @@ def _attr(gm: fx.GraphModule, target: Any) -> torch.Tensor:
     return obj  # type: ignore[no-any-return]
 
 
-def _check(gm: object, policy: object, dtype: object) -> None:
+def _check(gm: object, policy: object, dtype: object, device_type: object) -> None:
+    if device_type is not None:
+        _devices.spec(device_type)
     for name, value, kind in (("gm", gm, fx.GraphModule), ("policy", policy, Policy), ("dtype", dtype, torch.dtype)):
         if not isinstance(value, kind):
             raise TypeError(
@@ -219,3 +227,8 @@ def _check(gm: object, policy: object, dtype: object) -> None:
                     fix="Pass torch.export.export(model, args).module() or a make_fx graph." if name == "gm" else None,
                 )
             )
+    if dtype not in _LOW:
+        raise ValueError(
+            _errors.message("apply_policy argument 'dtype' is invalid", "it is the lower-precision dtype",
+                            received={"dtype": dtype}, expected=[_devices.dtype_name(d) for d in _LOW])
+        )

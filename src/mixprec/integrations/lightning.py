@@ -54,8 +54,8 @@ class MixprecPrecision(MixedPrecision):  # type: ignore[misc]
         device: str = "cpu",
     ) -> None:
         _devices.spec(device)
-        if dtype not in _PRECISION:
-            raise ValueError(
+        if not isinstance(dtype, torch.dtype) or dtype not in _PRECISION:
+            raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
                 _errors.message(
                     "MixprecPrecision: dtype is invalid",
                     "Lightning's mixed precision trains in bfloat16 or float16",
@@ -64,6 +64,16 @@ class MixprecPrecision(MixedPrecision):  # type: ignore[misc]
                 )
             )
         _autocast.autocast(device, dtype=dtype, policy=policy, compute=compute)  # the same checks and errors
+        bf16 = dtype is torch.bfloat16
+        if scaler is not None and (bf16 or not isinstance(scaler, (GradScaler, torch.amp.GradScaler))):
+            raise (ValueError if bf16 else TypeError)(
+                _errors.message(
+                    "MixprecPrecision: scaler is invalid",
+                    "bfloat16 training needs no loss scaler" if bf16 else "float16 training scales the loss with it",
+                    received={"scaler": scaler},
+                    expected="None" if bf16 else "None, a mixprec.GradScaler or a torch.amp.GradScaler",
+                )
+            )
         if scaler is None and dtype is torch.float16:
             scaler = GradScaler(device)
         super().__init__(_PRECISION[dtype], device, scaler)

@@ -45,4 +45,11 @@ def _build(attr: str) -> Policy:
 def __getattr__(attr: str) -> Policy:
     if attr in BUILTIN:
         return _build(attr)
-    raise AttributeError(f"module 'mixprec.policies' has no attribute {attr!r}")
+    what = f"module 'mixprec.policies' has no attribute {attr!r}"
+    if attr.startswith("__"):
+        raise AttributeError(what)
+    from mixprec import _errors
+
+    raise AttributeError(
+        _errors.message(what, "no built-in policy has this name", received={"name": attr}, expected=list(BUILTIN))
+    )

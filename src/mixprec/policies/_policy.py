@@ -27,23 +27,29 @@ class Category(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def _missing_(cls, value: object) -> Category:
+        raise _unknown_category(value) from None
+
 
 CATEGORIES = tuple(c.value for c in Category)
 
 
+def _unknown_category(value: object) -> Exception:
+    named = isinstance(value, str)
+    return (ValueError if named else TypeError)(
+        _errors.message(
+            "Unknown autocast category",
+            "a policy sorts ops into ATen's cast categories only" if named else "a category is named by a string",
+            received={"category": value},
+            expected=CATEGORIES,
+        )
+    )
+
+
 def category_of(value: object) -> Category:
-    """Parse a category name, with mixprec's error for anything else."""
-    try:
-        return Category(value)
-    except ValueError:
-        raise ValueError(
-            _errors.message(
-                "Unknown autocast category",
-                "a policy sorts ops into ATen's cast categories only",
-                received={"category": value},
-                expected=CATEGORIES,
-            )
-        ) from None
+    """Parse a category name, with mixprec's error for anything else (TypeError for a non-string)."""
+    return Category(value)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -78,13 +84,28 @@ class Policy:
     table: Mapping[str, Category]
     base: str | None = None
 
+    def __post_init__(self) -> None:
+        _check_fields(self.name, self.table, self.base)
+
     @classmethod
     def from_lists(cls, name: str, lists: Mapping[str, Iterable[str]], base: str | None = None) -> Policy:
-        """Build a policy from ``{category: [op names]}`` (a data module's TABLE)."""
+        """Build a policy from ``{category: [op names]}`` (a data module's TABLE).
+
+        Names are kept as given, also those the installed torch lacks (a documented list may hold them).
+        """
+        if not isinstance(lists, Mapping):
+            raise TypeError(
+                _errors.message(
+                    "Policy.from_lists: lists is invalid",
+                    "it must map category names to op names",
+                    received={"lists": lists},
+                    expected="a mapping such as {'fp32': ['softmax']}",
+                )
+            )
         table: dict[str, Category] = {}
         for category, ops in lists.items():
             parsed = category_of(category)
-            for op in ops:
+            for op in _serial._string_list("lists", str(category), ops):
                 table[op.strip()] = parsed
         return cls(name, types.MappingProxyType(table), base)
 
@@ -183,12 +204,16 @@ class Policy:
         return _serial.to_toml(self.to_dict())
 
     def category(self, op: str | Callable[..., object]) -> str | None:
-        """The category of ``op`` (a name, a torch callable or a custom op), or None if unlisted."""
+        """The category of ``op`` (a name, a torch callable or a custom op), or None if unlisted.
+
+        Raises ValueError if ``op`` names nothing torch has and the table does not list it, as ``with_ops`` does.
+        """
         target = _names.dispatched(op)  # a custom_op object: the overload its calls reach
-        found = None if isinstance(target, str) else self._by_callable.get(target)  # type: ignore[call-overload]
-        if found is None and isinstance(target, str):
-            name = _names.table_key(target)
-            found = None if name is None else self.table.get(name)
+        if callable(target) and not isinstance(target, str):
+            found = self._by_callable.get(target)
+            if found is not None:
+                return found.value
+        found = self.table.get(_names.op_name(target, self.table))
         return None if found is None else found.value
 
     def ops(self, category: str) -> tuple[str, ...]:
@@ -198,6 +223,12 @@ class Policy:
 
     def advice(self, op: str) -> str:
         """The text a banned op raises: why, the safe alternative, and how to lift the ban."""
+        if not isinstance(op, str):
+            raise TypeError(
+                _errors.message(
+                    "Policy.advice: op is invalid", "it is the op's table name", received={"op": op}, expected="a str"
+                )
+            )
         why = _advice.ADVICE.get(
             op,
             f"{op} is banned in autocast regions by the policy {self.name!r}. The safe alternative is "
@@ -254,6 +285,35 @@ class Policy:
         changed = len(self.changes)
         origin = f", {changed} change{'s' * (changed != 1)} to {self.base}" if changed and self.base else ""
         return f"Policy({self.name}{origin}: {counts or 'empty'})"
+
+
+def _check_fields(name: object, table: object, base: object) -> None:
+    """TypeError / ValueError for a Policy built from anything but a name, ``{op name: Category}`` and a base."""
+    from mixprec.policies import BUILTIN
+
+    fix = "Build a table from category names with Policy.from_lists(name, {'fp32': ['softmax']})."
+    if not isinstance(name, str):
+        raise TypeError(
+            _errors.message("Policy name is invalid", "it must be a string", received={"name": name}, expected="a str")
+        )
+    if not isinstance(table, Mapping):
+        raise TypeError(
+            _errors.message("Policy table is invalid", "it must map op names to categories", received={"table": table},
+                            expected="a mapping such as {'softmax': Category.FP32}", fix=fix)
+        )
+    for op, category in table.items():
+        if not isinstance(op, str) or not isinstance(category, Category):
+            raise TypeError(
+                _errors.message("Policy table is invalid", "it must map op names (strings) to Category members",
+                                received={"op": op, "category": category},
+                                expected="Category members: " + ", ".join(f"Category.{c.name}" for c in Category),
+                                fix=fix)
+            )
+    if base is not None and (not isinstance(base, str) or base not in BUILTIN):
+        raise (ValueError if isinstance(base, str) else TypeError)(
+            _errors.message("Policy base is invalid", "it must name a built-in policy", received={"base": base},
+                            expected=list(BUILTIN))
+        )
 
 
 def _rebuild(name: str, table: dict[str, Category], base: str | None) -> Policy:

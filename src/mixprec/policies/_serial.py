@@ -17,6 +17,7 @@ table as ``base.table``, minus ``without_ops``, plus ``[ops]``, which is what
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -63,6 +64,8 @@ def check(data: object, where: str = "dict") -> tuple[str, str | None, dict[str,
             _errors.message(f"Invalid policy {where}", "it must be a mapping", received={"data": data},
                             expected="a dict with keys: " + ", ".join(KEYS))
         )
+    if not data:
+        raise _bad(where, "it is empty", "data", data, "at least one of the keys " + ", ".join(KEYS))
     unknown = [k for k in data if k not in KEYS]
     if unknown:
         raise _bad(where, "it has an unknown key", "key", unknown[0], KEYS)
@@ -115,8 +118,19 @@ def read_toml(path: object) -> dict[str, Any]:
         import tomllib
     else:  # pragma: no cover - Python 3.10
         import tomli as tomllib
-    with open(path, "rb") as f:  # type: ignore[call-overload]
-        raw = f.read()
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            _errors.message("Cannot read policy file", "its path has the wrong type", received={"path": path},
+                            expected="a str or os.PathLike path to a TOML file")
+        )
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as error:  # the same type (FileNotFoundError, IsADirectoryError, ...), in mixprec's words
+        raise type(error)(
+            _errors.message("Cannot read policy file", str(error.strerror or error).lower(),
+                            received={"path": os.fspath(path)}, expected="a readable TOML file")
+        ) from None
     try:
         return tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:

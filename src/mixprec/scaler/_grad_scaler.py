@@ -26,7 +26,7 @@ import torch
 from mixprec import _devices, _errors
 from mixprec.scaler import _distributed
 from mixprec.scaler._history import History, ScaleRecord
-from mixprec.scaler._settings import ORDER, ScalerSettings, ScalerStateError, make_rule
+from mixprec.scaler._settings import ORDER, ScalerSettings, ScalerStateError, check_init_scale, make_rule
 
 __all__ = ["GradScaler", "ScaleRecord", "ScalerStateError"]
 
@@ -90,17 +90,24 @@ class GradScaler(ScalerSettings):
         spec = _devices.spec(device)
         if not isinstance(enabled, bool):
             raise TypeError(
-                _errors.message("GradScaler enabled is invalid", "it must be a bool", received={"enabled": enabled})
+                _errors.message("GradScaler enabled is invalid", "it must be a bool", received={"enabled": enabled},
+                                expected="True or False")
+            )
+        self._rule = make_rule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+        check_init_scale(init_scale)
+        if not isinstance(allow_fp16_grads, bool):
+            raise TypeError(
+                _errors.message("GradScaler allow_fp16_grads is invalid", "it must be a bool",
+                                received={"allow_fp16_grads": allow_fp16_grads}, expected="True or False")
             )
         self._device = device
         self._enabled = enabled
-        if enabled and not spec.available():
+        if enabled and not spec.available():  # warned once every argument is known to be valid
             _errors.warn(
                 _errors.message("GradScaler disabled", f"device {device!r} is not available on this machine"),
                 _errors.AutocastDisabledWarning,
             )
             self._enabled = False
-        self._rule = make_rule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
         self._init_scale = float(init_scale)
         self._init_growth_tracker = 0
         self._init_hysteresis_tracker = hysteresis
@@ -205,10 +212,11 @@ class GradScaler(ScalerSettings):
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale (at most once per step), recording inf/NaN."""
+        _check_optimizer("unscale_", optimizer)
         if not self._enabled:
             return
         scale = self._require_scale("unscale_")
-        state = self._per_optimizer_states[id(optimizer)]
+        state = self._per_optimizer_states.get(id(optimizer)) or _OptimizerState()  # kept only if unscaling works
         if state.stage is _Stage.UNSCALED:
             raise ScalerStateError(
                 f"unscale_() has already been called on this optimizer since the last update(). {ORDER}"
@@ -219,6 +227,7 @@ class GradScaler(ScalerSettings):
         found_inf = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
         state.found_inf_per_device = self._unscale_grads_(optimizer, inv_scale, found_inf, self._allow_fp16_grads)
         state.stage = _Stage.UNSCALED
+        self._per_optimizer_states[id(optimizer)] = state
 
     # ------------------------------------------------------------------ step
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -227,18 +236,27 @@ class GradScaler(ScalerSettings):
         Returns what ``optimizer.step`` returned, or None if the step was skipped;
         :attr:`last_step_skipped` tells which.
         """
+        _check_optimizer("step", optimizer)
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
-            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+            raise RuntimeError(
+                _errors.message(
+                    "Closure use is not currently supported if GradScaler is enabled",
+                    "the loss must be scaled before backward, which a closure runs inside step()",
+                    received={"closure": kwargs["closure"]},
+                    fix="Call scaler.scale(loss).backward() yourself, then scaler.step(optimizer) without a closure.",
+                )
+            )
         scale = self._require_scale("step")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state.stage is _Stage.STEPPED:
+        state = self._per_optimizer_states.get(id(optimizer))
+        if state is not None and state.stage is _Stage.STEPPED:
             raise ScalerStateError(f"step() has already been called since the last update(). {ORDER}")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            return self._fused_step(optimizer, state, scale, args, kwargs)
-        if state.stage is _Stage.READY:
+            return self._fused_step(optimizer, self._per_optimizer_states[id(optimizer)], scale, args, kwargs)
+        if state is None or state.stage is _Stage.READY:
             self.unscale_(optimizer)
+            state = self._per_optimizer_states[id(optimizer)]
         if not state.found_inf_per_device:
             raise ScalerStateError(
                 "step() found no inf checks recorded for this optimizer: none of its parameters has a gradient. "
@@ -381,6 +399,18 @@ def _any(flags: list[torch.Tensor | bool]) -> torch.Tensor | bool:
         return plain
     combined = torch.stack([t.reshape(()) for t in tensors]).any()
     return combined | plain
+
+
+def _check_optimizer(method: str, optimizer: object) -> None:
+    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
+        raise TypeError(
+            _errors.message(
+                f"GradScaler.{method}() cannot use this optimizer",
+                "it needs the optimizer's param_groups and step()",
+                received={"optimizer": optimizer},
+                expected="a torch.optim.Optimizer",
+            )
+        )
 
 
 def _has_grads(optimizer: torch.optim.Optimizer) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -59,6 +60,10 @@ def check_growth_interval(value: Any) -> None:
     _check("growth_interval", value, _is_real(value) and value > 0, "an int > 0", integral=True)
 
 
+def check_init_scale(value: Any, name: str = "init_scale") -> None:
+    _check(name, value, _is_real(value) and 0 < value < math.inf, "a finite float > 0")
+
+
 def make_rule(
     growth_factor: Any,
     backoff_factor: Any,
@@ -85,6 +90,33 @@ def make_rule(
         None if min_scale is None else float(min_scale),
         None if max_scale is None else float(max_scale),
     )
+
+
+#: The keys torch.amp.GradScaler saves, which load_state_dict needs.
+_REQUIRED = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _check_state_dict(state_dict: object) -> None:
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            _errors.message("GradScaler.load_state_dict: state_dict is invalid", "it must be a mapping",
+                            received={"state_dict": state_dict}, expected="a dict from GradScaler.state_dict()")
+        )
+    if not state_dict:
+        raise RuntimeError(
+            _errors.message(
+                "GradScaler.load_state_dict: the source state dict is empty",
+                "it was possibly saved from a disabled instance of GradScaler",
+                received={"state_dict": state_dict},
+                expected="the keys " + ", ".join(_REQUIRED),
+            )
+        )
+    missing = [key for key in _REQUIRED if key not in state_dict]
+    if missing:
+        raise ValueError(
+            _errors.message("GradScaler.load_state_dict: state_dict is incomplete", "it lacks keys GradScaler saves",
+                            received={"missing": missing}, expected="the keys " + ", ".join(_REQUIRED))
+        )
 
 
 class ScalerSettings:
@@ -169,12 +201,9 @@ class ScalerSettings:
         """
         if not self._enabled:
             return
-        if not state_dict:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
-            )
+        _check_state_dict(state_dict)
         rule = self._rule
-        self._rule = make_rule(
+        rule = make_rule(  # every value is checked before anything is loaded
             state_dict["growth_factor"],
             state_dict["backoff_factor"],
             state_dict["growth_interval"],
@@ -182,6 +211,11 @@ class ScalerSettings:
             state_dict.get("min_scale", rule.min_scale),
             state_dict.get("max_scale", rule.max_scale),
         )
+        check_init_scale(state_dict["scale"], "scale")
+        for key in ("_growth_tracker", "_hysteresis_tracker"):
+            value = state_dict.get(key, 0)
+            _check(key, value, _is_real(value) and value >= 0, "an int >= 0", integral=True)
+        self._rule = rule
         self._init_scale = float(state_dict["scale"])
         self._init_growth_tracker = int(state_dict["_growth_tracker"])
         self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._rule.hysteresis))
