@@ -1,0 +1,549 @@
+"""Random programs through mixprec, through the reference interpreter, and through native torch.autocast.
+
+Each program is 2-10 ATen calls drawn from every op the CPU, CUDA and XPU
+tables list plus unlisted ones, with sample inputs from torch's OpInfo
+database (or a hand-written sample where OpInfo has none), in random input
+dtypes, some of them chained on earlier outputs and on shared weights; nested
+at random in ``mixprec.autocast``, ``torch.autocast`` (on or off, either dtype)
+and ``set_module_policy`` regions; under a random base policy with random edits,
+native or emulated compute, sometimes under ``mixprec.install``. Forward
+outputs, their dtypes and the gradients of every leaf must equal the reference
+interpreter's (``tests/reference.py``) bit for bit, and native torch.autocast's
+where the policy is the CPU default.
+
+CI runs a bounded share (``max_examples`` below). By hand, for thousands::
+
+    MIXPREC_FUZZ=long python -m pytest tests/test_differential.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+
+import mixprec
+import reference
+from mixprec import _kernels
+from reference import Call, Program, Ref, Region
+
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+PROFILES = {
+    # CI: a fixed set of examples (derandomized), about 30 s on 2 cores.
+    "ci": settings(max_examples=150, deadline=None, derandomize=True, database=None, print_blob=True,
+                   suppress_health_check=_QUIET),
+    # By hand: MIXPREC_FUZZ=long, thousands of new examples each run.
+    "long": settings(max_examples=3000, deadline=None, print_blob=True, suppress_health_check=_QUIET),
+}
+PROFILE = PROFILES["long" if os.environ.get("MIXPREC_FUZZ") == "long" else "ci"]
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64)
+POLICIES = ("CPU", "CUDA", "XPU", "CPU_DOCUMENTED", "CUDA_DOCUMENTED")
+UNLISTED = (
+    "add", "mul", "sub", "div", "tanh", "sigmoid", "relu", "gelu", "silu", "sin", "abs", "neg", "maximum",
+    "where", "clamp", "mean", "sqrt", "var", "std", "amax", "erf", "hardtanh", "leaky_relu",
+)
+
+# Table ops no program can call on this CPU build, and why.
+UNREACHABLE = {
+    "__matmul__": "a Python operator spelling (documented lists); it reaches aten::matmul, which is drawn",
+    "__pow__": "a Python operator spelling; it reaches aten::pow, which is drawn",
+    "__rtruediv__": "a Python operator spelling; it reaches aten::div, which is drawn",
+    "cudnn_convolution": "cuDNN kernels only",
+    "cudnn_convolution_transpose": "cuDNN kernels only",
+    "_thnn_fused_gru_cell": "CUDA kernels only",
+    "_thnn_fused_lstm_cell": "CUDA kernels only",
+    "_scaled_dot_product_flash_attention": "CUDA kernels only (CPU has _scaled_dot_product_flash_attention_for_cpu)",
+    "symeig": "removed from torch",
+    "mkldnn_rnn_layer": "its 16 arguments are a oneDNN RNN's internals; nn.LSTM reaches it in test_cpu_opinfo",
+    "_native_multi_head_attention": "nn.MultiheadAttention's fast path; test_cpu_opinfo reaches it",
+    "nll_loss_nd": "no kernel of its own: nll_loss reaches it through cross_entropy_loss",
+    "poisson": "samples from its input: no gradient, no dtype to compare beyond the input's",
+    "_grid_sampler_2d_cpu_fallback": "reached through grid_sampler_2d on shapes oneDNN refuses",
+    "fake_quantize_per_tensor_affine": "quantization aware training, float32 only in torch's own kernels",
+}
+
+# Ops whose kernels call listed ops themselves, below autograd, where native autocast (and so mixprec)
+# casts those calls too. The interpreter models the calls a program and a composite's decomposition
+# make above autograd, not a kernel's own; these are not drawn.
+BELOW_AUTOGRAD = {
+    "bilinear": "its _trilinear kernel calls bmm below autograd",
+    "pinverse": "linalg_pinv's kernel calls matmul below autograd",
+    "linalg_pinv": "its kernel calls matmul below autograd",
+}
+
+
+def _r(*shape: int, low: float = -2, high: float = 2) -> torch.Tensor:
+    return torch.empty(shape).uniform_(low, high)
+
+
+# Hand-written samples for table ops without an OpInfo under their ATen name: (args, kwargs) in float32.
+HAND: dict[str, Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]] = {
+    "_convolution": lambda: ((_r(1, 2, 5, 5), _r(3, 2, 3, 3), _r(3), [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+                              False, False, True, True), {}),
+    "convolution": lambda: ((_r(1, 2, 5, 5), _r(3, 2, 3, 3), _r(3), [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}),
+    "conv_tbc": lambda: ((_r(5, 1, 2), _r(3, 2, 4), _r(4), 1), {}),
+    "_addmm_activation": lambda: ((_r(3), _r(2, 4), _r(4, 3)), {"use_gelu": False}),
+    "chain_matmul": lambda: (([_r(2, 3), _r(3, 4), _r(4, 2)],), {}),
+    "gru_cell": lambda: ((_r(2, 3), _r(2, 4), _r(12, 3), _r(12, 4), _r(12), _r(12)), {}),
+    "lstm_cell": lambda: ((_r(2, 3), [_r(2, 4), _r(2, 4)], _r(16, 3), _r(16, 4), _r(16), _r(16)), {}),
+    "rnn_tanh_cell": lambda: ((_r(2, 3), _r(2, 4), _r(4, 3), _r(4, 4), _r(4), _r(4)), {}),
+    "rnn_relu_cell": lambda: ((_r(2, 3), _r(2, 4), _r(4, 3), _r(4, 4), _r(4), _r(4)), {}),
+    "cross_entropy_loss": lambda: ((_r(4, 5), torch.tensor([0, 2, 4, 1])), {}),
+    "nll_loss2d": lambda: ((_r(2, 3, 4, 4).log_softmax(1), torch.randint(0, 3, (2, 4, 4))), {}),
+    "multilabel_margin_loss_forward": lambda: ((_r(2, 4), torch.tensor([[1, 3, -1, 0], [0, -1, 2, 1]]), 1), {}),
+    "reflection_pad1d": lambda: ((_r(1, 2, 5), [2, 1]), {}),
+    "reflection_pad2d": lambda: ((_r(1, 2, 5, 5), [2, 1, 1, 2]), {}),
+    "replication_pad1d": lambda: ((_r(1, 2, 5), [2, 1]), {}),
+    "replication_pad2d": lambda: ((_r(1, 2, 5, 5), [2, 1, 1, 2]), {}),
+    "replication_pad3d": lambda: ((_r(1, 2, 3, 3, 3), [1, 1, 1, 1, 1, 1]), {}),
+    "upsample_nearest1d": lambda: ((_r(1, 2, 4), [8]), {}),
+    "upsample_nearest2d": lambda: ((_r(1, 2, 4, 4), [8, 6]), {}),
+    "upsample_nearest3d": lambda: ((_r(1, 2, 3, 3, 3), [6, 6, 4]), {}),
+    "_upsample_nearest_exact1d": lambda: ((_r(1, 2, 4), [7]), {}),
+    "_upsample_nearest_exact2d": lambda: ((_r(1, 2, 4, 4), [7, 5]), {}),
+    "_upsample_nearest_exact3d": lambda: ((_r(1, 2, 3, 3, 3), [5, 6, 4]), {}),
+    "upsample_linear1d": lambda: ((_r(1, 2, 4), [7], False), {}),
+    "upsample_bilinear2d": lambda: ((_r(1, 2, 4, 4), [7, 5], True), {}),
+    "upsample_bicubic2d": lambda: ((_r(1, 2, 4, 4), [7, 5], False), {}),
+    "_upsample_bicubic2d_aa": lambda: ((_r(1, 2, 8, 8), [5, 3], False), {}),
+    "_upsample_bilinear2d_aa": lambda: ((_r(1, 2, 8, 8), [5, 3], False), {}),
+    "upsample_trilinear3d": lambda: ((_r(1, 2, 3, 3, 3), [5, 4, 4], False), {}),
+    "grid_sampler": lambda: ((_r(1, 2, 4, 4), _r(1, 3, 3, 2, low=-1, high=1), 0, 0, False), {}),
+    "inverse": lambda: ((_r(3, 3) + 4 * torch.eye(3),), {}),
+    "orgqr": lambda: (torch.geqrf(_r(4, 3)), {}),
+    "_lu_with_info": lambda: ((_r(3, 3) + 4 * torch.eye(3),), {}),
+    "frobenius_norm": lambda: ((_r(3, 4), [0, 1]), {}),
+    "nuclear_norm": lambda: ((_r(3, 4),), {}),
+    "col2im": lambda: ((_r(1, 8, 4), [3, 3], [2, 2], [1, 1], [0, 0], [1, 1]), {}),
+    "adaptive_max_pool1d": lambda: ((_r(1, 2, 8), [3]), {}),
+    "adaptive_max_pool2d": lambda: ((_r(1, 2, 8, 8), [3, 3]), {}),
+    "adaptive_max_pool3d": lambda: ((_r(1, 2, 4, 4, 4), [2, 2, 2]), {}),
+    "batch_norm": lambda: ((_r(2, 3, 4), _r(3), _r(3), None, None, True, 0.1, 1e-5, False), {}),
+    "instance_norm": lambda: ((_r(2, 3, 4), _r(3), _r(3), None, None, True, 0.1, 1e-5, False), {}),
+    "cdist": lambda: ((_r(3, 4), _r(5, 4)), {}),
+    "cosine_embedding_loss": lambda: ((_r(3, 4), _r(3, 4), torch.tensor([1.0, -1.0, 1.0])), {}),
+    "ctc_loss": lambda: ((_r(6, 2, 4).log_softmax(2), torch.randint(1, 4, (2, 3)), [6, 6], [3, 2]), {}),
+    "dropout": lambda: ((_r(3, 4), 0.5, True), {}),
+    "einsum": lambda: (("ij,jk->ik", [_r(2, 3), _r(3, 4)]), {}),
+    "fractional_max_pool2d": lambda: ((_r(1, 2, 8, 8), [2, 2], [4, 4], torch.rand(1, 2, 2)), {}),
+    "fractional_max_pool3d": lambda: ((_r(1, 2, 6, 6, 6), [2, 2, 2], [3, 3, 3], torch.rand(1, 2, 3)), {}),
+    "huber_loss": lambda: ((_r(3, 4), _r(3, 4)), {}),
+    "kl_div": lambda: ((_r(3, 4).log_softmax(1), _r(3, 4).softmax(1)), {}),
+    "margin_ranking_loss": lambda: ((_r(4), _r(4), torch.tensor([1.0, -1.0, 1.0, -1.0])), {}),
+    "max_pool3d": lambda: ((_r(1, 2, 4, 4, 4), [2, 2, 2]), {}),
+    "max_unpool2d": lambda: ((*torch.nn.functional.max_pool2d(_r(1, 2, 4, 4), 2, return_indices=True), [4, 4]), {}),
+    "max_unpool3d": lambda: ((*torch.nn.functional.max_pool3d(_r(1, 2, 4, 4, 4), 2, return_indices=True),
+                              [4, 4, 4], [2, 2, 2], [0, 0, 0]), {}),
+    "poisson_nll_loss": lambda: ((_r(3, 4), _r(3, 4, low=0, high=3), True, False, 1e-8, 1), {}),
+    "tensordot": lambda: ((_r(2, 3, 4), _r(4, 3, 5), [1, 2], [1, 0]), {}),
+}
+
+
+@functools.cache
+def _opinfos() -> dict[str, list[Any]]:
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    found: dict[str, list[Any]] = {}
+    for info in op_db:
+        for name in {info.aten_name, info.name, info.name.replace(".", "_"), info.name.rpartition(".")[2]}:
+            if name:
+                found.setdefault(name, []).append(info)
+    return found
+
+
+def _table_names() -> list[str]:
+    names: set[str] = set()
+    for attr in POLICIES:
+        names |= {n.split("::")[-1].split(".")[0] for n in getattr(mixprec.policies, attr).table}
+    return sorted(names)
+
+
+@functools.cache
+def drawable() -> tuple[str, ...]:
+    """Every op a program may call: the tables' ops that exist and are reachable here, and unlisted ones."""
+    ops = [n for n in _table_names() if n not in {**UNREACHABLE, **BELOW_AUTOGRAD} and hasattr(torch.ops.aten, n)]
+    return tuple(sorted(set(ops) | set(UNLISTED)))
+
+
+def _runs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    try:
+        torch._C._jit_resolve_packet(f"aten::{name}", *args, **kwargs)
+        with torch.no_grad():
+            getattr(torch.ops.aten, name)(*args, **kwargs)
+    except Exception:
+        return False
+    return True
+
+
+def _convert(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            if dtype.is_floating_point:
+                return value.to(dtype)
+            return (value * 3).round().to(dtype)
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_convert(v, dtype) for v in value)
+    return value
+
+
+@functools.cache
+def samples(name: str, dtype: torch.dtype) -> tuple[tuple[tuple[Any, ...], dict[str, Any]], ...]:
+    """Up to three calls of ``aten::<name>`` with inputs in ``dtype`` that run with autocast off."""
+    torch.manual_seed(0)
+    found: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    for info in _opinfos().get(name, []):
+        if dtype not in info.supported_dtypes("cpu"):
+            continue
+        try:
+            for sample in info.sample_inputs("cpu", dtype, requires_grad=False):
+                args, kwargs = (sample.input, *sample.args), dict(sample.kwargs)
+                if _runs(name, args, kwargs):
+                    found.append((args, kwargs))
+                if len(found) == 3:
+                    return tuple(found)
+        except Exception:
+            continue
+    if not found and name in HAND:
+        args, kwargs = HAND[name]()
+        args, kwargs = _convert(args, dtype), _convert(kwargs, dtype)
+        if _runs(name, args, kwargs):
+            found.append((args, kwargs))
+    return tuple(found)
+
+
+# Chained calls on an earlier output x (any shape): (op, args, kwargs); "X" is x reshaped as noted,
+# W/B/S/V the program's shared float32 weights of shapes (1, 1), (1,), () and (3,).
+CHAINS: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("aten::mm", (("X", (-1, 1)), "W")),
+    ("aten::matmul", (("X", (-1, 1)), "W")),
+    ("aten::linear", (("X", (-1, 1)), "W", "B")),
+    ("aten::addmm", ("B", ("X", (-1, 1)), "W")),
+    ("aten::mul", (("X", None), "S")),
+    ("aten::add", (("X", None), "S")),
+    ("aten::softmax", (("X", (-1,)), 0)),
+    ("aten::log_softmax", (("X", (-1,)), 0)),
+    ("aten::sum", (("X", None),)),
+    ("aten::cumsum", (("X", (-1,)), 0)),
+    ("aten::exp", (("X", None),)),
+    ("aten::gelu", (("X", None),)),
+    ("aten::norm", (("X", None),)),
+    ("aten::layer_norm", (("X", (-1, 1)), [1])),
+    ("aten::cat", ([("X", (-1,)), "V"],)),
+    ("aten::stack", ([("X", (-1,)), ("X", (-1,))],)),
+    ("aten::prod", (("X", (-1,)),)),
+)
+SHARED = {"W": (1, 1), "B": (1,), "S": (), "V": (3,)}
+
+
+def _floating_output(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    with torch.no_grad():
+        return reference.first_float(getattr(torch.ops.aten, name)(*args, **kwargs)) is not None
+
+
+@st.composite
+def policies(draw: Any, used: list[str]) -> mixprec.Policy:
+    policy = getattr(mixprec.policies, draw(st.sampled_from(POLICIES)))
+    for _ in range(draw(st.integers(0, 3))):
+        op = draw(st.sampled_from(used)) if used and draw(st.booleans()) else draw(st.sampled_from(drawable()))
+        if draw(st.integers(0, 4)) == 0:
+            if op in policy.table:
+                policy = policy.without_ops(op)
+            continue
+        category = draw(st.sampled_from(["lower_precision_fp", "fp32", "promote", "fp32_set_opt_dtype"]))
+        try:
+            policy = policy.with_ops(**{category: [op]})
+        except ValueError:  # a category the op cannot take (fp32_set_opt_dtype needs a dtype argument)
+            continue
+    return policy
+
+
+@st.composite
+def regions(draw: Any, used: list[str]) -> dict[str, Any]:
+    kind = draw(st.sampled_from(["mixprec", "mixprec", "torch", "module"]))
+    if kind == "module":
+        return {"kind": kind, "policy": draw(st.one_of(st.just("fp32"), policies(used)))}
+    region = {
+        "kind": kind,
+        "dtype": draw(st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16])),
+        "enabled": draw(st.integers(0, 4)) > 0,
+        "cache_enabled": draw(st.sampled_from([None, None, True, False])),
+    }
+    if kind == "mixprec":
+        region["policy"] = draw(st.one_of(st.none(), policies(used)))
+        region["compute"] = draw(st.sampled_from(["native", "native", "emulated"]))
+    return region
+
+
+@st.composite
+def nested(draw: Any, items: list[Any], used: list[str], depth: int = 0) -> list[Any]:
+    if len(items) < 1 or depth >= 3 or draw(st.integers(0, 3)) == 0:
+        return items
+    start = draw(st.integers(0, len(items) - 1))
+    stop = draw(st.integers(start + 1, len(items)))
+    inner = draw(nested(items[start:stop], used, depth + 1))
+    region = Region(body=tuple(inner), **draw(regions(used)))
+    return [*items[:start], region, *draw(nested(items[stop:], used, depth + 1))]
+
+
+@st.composite
+def programs(draw: Any) -> Program:
+    torch.manual_seed(draw(st.integers(0, 2**16)))
+    leaves: list[torch.Tensor] = [torch.randn(shape).requires_grad_() for shape in SHARED.values()]
+    shared = {name: Ref("leaf", i) for i, name in enumerate(SHARED)}
+    calls: list[Call] = []
+    floating: list[int] = []  # calls whose output has a floating tensor
+    used: list[str] = []
+
+    def leaf(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            t = value.detach().clone()
+            if t.is_floating_point() and draw(st.booleans()):
+                t.requires_grad_()
+            leaves.append(t)
+            return Ref("leaf", len(leaves) - 1)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(leaf(v) for v in value)
+        return value
+
+    for _ in range(draw(st.integers(2, 10))):
+        if floating and draw(st.integers(0, 2)) == 0:
+            op, template = draw(st.sampled_from(CHAINS))
+            source = draw(st.sampled_from(floating))
+
+            def fill(value: Any, source: int = source) -> Any:
+                if isinstance(value, tuple) and value and value[0] == "X":
+                    return Ref("out", source, value[1])
+                if isinstance(value, str) and value in shared:
+                    return shared[value]
+                if isinstance(value, list):
+                    return [fill(v) for v in value]
+                return value
+
+            calls.append(Call(op, tuple(fill(v) for v in template)))
+            floating.append(len(calls) - 1)
+            used.append(op.partition("::")[2])
+            continue
+        name = draw(st.sampled_from(drawable()))
+        dtype = draw(st.sampled_from(DTYPES))
+        found = samples(name, dtype) or samples(name, torch.float32)
+        if not found:
+            continue
+        args, kwargs = draw(st.sampled_from(found))
+        named = tuple((k, leaf(v)) for k, v in kwargs.items())
+        calls.append(Call(f"aten::{name}", tuple(leaf(a) for a in args), named))
+        if _floating_output(name, args, kwargs):
+            floating.append(len(calls) - 1)
+        used.append(name)
+    body = draw(nested(calls, used))
+    if draw(st.integers(0, 9)) < 7:  # most programs run inside some region
+        body = [Region(body=tuple(body), **draw(regions(used)))]
+    install = None
+    if draw(st.integers(0, 9)) == 0:
+        install = (draw(policies(used)), draw(st.sampled_from(["native", "emulated"])))
+    return Program(tuple(leaves), tuple(body), install)
+
+
+# ---------------------------------------------------------------- running a program through the engine
+
+
+class _Body(torch.nn.Module):
+    def __init__(self, run: Callable[..., list[Any]], items: tuple[Any, ...]) -> None:
+        super().__init__()
+        self.run, self.items = run, items
+
+    def forward(self, leaves: list[torch.Tensor], outputs: list[Any]) -> list[Any]:
+        before = len(outputs)
+        outputs = list(outputs)
+        self.run(self.items, leaves, outputs)
+        return outputs[before:]
+
+
+def run_engine(program: Program, *, native: bool = False) -> tuple[list[torch.Tensor], list[Any]]:
+    """The program through mixprec (``native=True``: its mixprec regions as plain torch.autocast)."""
+    leaves = program.fresh_leaves()
+    outputs: list[Any] = []
+
+    def run(items: tuple[Any, ...], leaves: list[torch.Tensor], outputs: list[Any]) -> None:
+        for item in items:
+            if isinstance(item, Call):
+                reference.step_seed(len(outputs))
+                args = reference.bind(item.args, leaves, outputs)
+                kwargs = {k: reference.bind(v, leaves, outputs) for k, v in item.kwargs}
+                outputs.append(reference.packet(item.op)(*args, **kwargs))
+            elif item.kind == "torch" or (native and item.kind == "mixprec"):
+                with torch.autocast(reference.DEVICE, dtype=item.dtype or torch.bfloat16, enabled=item.enabled,
+                                    cache_enabled=item.cache_enabled):
+                    run(item.body, leaves, outputs)
+            elif item.kind == "mixprec":
+                with mixprec.autocast(reference.DEVICE, item.dtype, item.enabled, item.cache_enabled,
+                                      policy=item.policy, compute=item.compute):
+                    run(item.body, leaves, outputs)
+            else:
+                module = _Body(run, item.body)
+                with mixprec.set_module_policy(module, item.policy):
+                    outputs.extend(module(leaves, outputs))
+
+    if program.install is None:
+        run(program.body, leaves, outputs)
+    else:
+        with mixprec.install(program.install[0], compute=program.install[1]):
+            run(program.body, leaves, outputs)
+    return leaves, outputs
+
+
+# ---------------------------------------------------------------- comparing
+
+
+@dataclasses.dataclass
+class Outcome:
+    outputs: list[Any]
+    grads: list[Any] | None
+    error: str | None  # "forward: T" or "backward: T"
+
+
+def _floats(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value] if value.is_floating_point() else []
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _floats(v)]
+    return []
+
+
+def outcome(run: Callable[[], tuple[list[torch.Tensor], list[Any]]]) -> Outcome:
+    try:
+        leaves, outputs = run()
+    except reference.UnmodelledError:
+        raise
+    except Exception as error:
+        return Outcome([], None, f"forward: {type(error).__name__}")
+    terms = [t.float().sum() for o in outputs for t in _floats(o) if t.requires_grad]
+    wanted = [t for t in leaves if t.requires_grad]
+    if not terms or not wanted:
+        return Outcome(outputs, None, None)
+    try:
+        grads = list(torch.autograd.grad(torch.stack(terms).sum(), wanted, allow_unused=True))
+    except Exception as error:
+        return Outcome(outputs, None, f"backward: {type(error).__name__}")
+    return Outcome(outputs, grads, None)
+
+
+def _same(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{where}: {m}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b or (a != a and b != b), f"{where}: {a!r} != {b!r}"
+
+
+def same_outcome(mine: Outcome, theirs: Outcome, label: str) -> None:
+    assert mine.error == theirs.error, f"{label}: mixprec {mine.error}, {label} {theirs.error}"
+    _same(mine.outputs, theirs.outputs, f"{label} outputs")
+    if mine.grads is not None or theirs.grads is not None:
+        _same(mine.grads, theirs.grads, f"{label} gradients")
+
+
+# ---------------------------------------------------------------- the reference's view of the dispatcher
+
+
+@functools.cache
+def _native() -> reference.NativeTables:
+    _kernels.reset()
+    return reference.NativeTables()
+
+
+def _all_overloads() -> list[Any]:
+    names: set[str] = set()
+    for attr in POLICIES:
+        names |= set(getattr(mixprec.policies, attr).table)
+    names |= set(UNLISTED)
+    found = []
+    for name in sorted(names):
+        qualified = name if "::" in name else f"aten::{name}"
+        op_name, _, overload = qualified.partition("::")[2].partition(".")
+        packet = getattr(torch.ops.aten, op_name, None) if qualified.startswith("aten::") else None
+        if packet is None or name.startswith("__"):
+            continue
+        found.extend(getattr(packet, o) for o in packet.overloads() if not overload or o == overload)
+    return found
+
+
+_OVERLOADS: list[Any] = []
+
+
+def _overloads() -> Any:
+    if not _OVERLOADS:
+        _OVERLOADS.extend(_all_overloads())
+    return iter(_OVERLOADS)
+
+
+def _default_only(program: Program) -> bool:
+    """Whether native torch.autocast has an answer: default policy, native compute, no module policy."""
+
+    def ok(items: tuple[Any, ...]) -> bool:
+        for item in items:
+            if isinstance(item, Call):
+                continue
+            if item.kind == "module":
+                return False
+            if item.kind == "mixprec" and (item.policy not in (None, mixprec.policies.CPU) or item.compute != "native"):
+                return False
+            if not ok(item.body):
+                return False
+        return True
+
+    return program.install is None and ok(program.body)
+
+
+def check(program: Program) -> None:
+    """The program's outcome through mixprec equals the reference's, and native torch's where it has one."""
+    native = _native()
+    _kernels.reset()  # this program's kernels are the ones its settings register (the reference's cache rule)
+    mine = outcome(lambda: run_engine(program))
+    _kernels.reset()
+    try:
+        expected = outcome(lambda: reference.Reference(program, native, _overloads).run())
+    except reference.UnmodelledError:
+        reject()
+    same_outcome(mine, expected, "reference")
+    if _default_only(program):
+        same_outcome(mine, outcome(lambda: run_engine(program, native=True)), "native torch.autocast")
+
+
+@pytest.fixture(autouse=True)
+def _pristine_kernels() -> Any:
+    yield
+    _kernels.reset()
+
+
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
+@settings(PROFILE)
+@given(programs())
+def test_random_programs_follow_the_reference(program: Program) -> None:
+    check(program)
+
+
+def test_every_table_op_is_drawn_or_named_unreachable() -> None:
+    missing = []
+    for name in _table_names():
+        if name in UNREACHABLE or name in BELOW_AUTOGRAD or not hasattr(torch.ops.aten, name):
+            continue
+        if not any(samples(name, dtype) for dtype in (torch.float32, torch.bfloat16)):
+            missing.append(name)
+    assert not missing, f"table ops with no sample input and no reason in UNREACHABLE: {missing}"
+    tables = [getattr(mixprec.policies, attr).table for attr in ("CPU", "CUDA", "XPU")]
+    defaults = {name.split("::")[-1].split(".")[0] for table in tables for name in table}
+    assert set(UNLISTED).isdisjoint(defaults), "UNLISTED ops are not in any device's default table"
