@@ -63,7 +63,8 @@ Eligible tensor: floating, on the device, not float64. The categories:
 - ``banned``: raises if an eligible tensor is among the arguments.
 
 The cast cache: a ``lower_precision_fp`` cast of a float32 leaf that
-requires grad (not a view) is made once and reused while the cache lives.
+requires grad (not a view) is made once and reused while the cache lives
+(torch's cache is keyed by the weight alone, mixprec's by weight and dtype).
 There are two caches, as documented in ``docs/design.md``: an op with a
 mixprec kernel (one registered for some setting the program entered) uses
 mixprec's, which is on while a mixprec level is open (a mixprec region or a
@@ -305,8 +306,8 @@ class _State:
     module_policies: list[mixprec.Policy] = dataclasses.field(default_factory=list)
     mixprec_levels: int = 0
     torch_nesting: int = 0
-    mixprec_cache: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-    torch_cache: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    mixprec_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
+    torch_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
     kernels: set[Any] = dataclasses.field(default_factory=set)  # overloads with a mixprec kernel
 
 
@@ -513,25 +514,28 @@ class Reference:
 
         return Replay(graph).run(*[flat[i] for i in tensor_slots])
 
-    def _cache_for(self, op: Any) -> dict[int, torch.Tensor] | None:
+    def _cache_for(self, op: Any) -> dict[Any, torch.Tensor] | None:
         s = self.state
         if op in s.kernels:
             on = s.mixprec_levels > 0 and s.cache_flag and torch.is_grad_enabled()
             return s.mixprec_cache if on else None
         return s.torch_cache if s.cache_flag else None
 
-    def _cast(self, t: torch.Tensor, to: torch.dtype, weights: dict[int, torch.Tensor] | None) -> torch.Tensor:
+    def _cast(self, t: torch.Tensor, to: torch.dtype, weights: dict[Any, torch.Tensor] | None) -> torch.Tensor:
         if not self._eligible(t) or t.dtype == to:
             return t
         weight = t.dtype == torch.float32 and t.requires_grad and t.is_leaf and not t._is_view()
         if weights is not None and weight:
-            if id(t) not in weights:
-                weights[id(t)] = t.to(to)
-            return weights[id(t)]
+            # torch's cache is keyed by the weight alone (a copy cast for an outer region's dtype is
+            # returned in a nested region of another dtype); mixprec's by the weight and the dtype.
+            key = (id(t), to) if weights is self.state.mixprec_cache else (id(t), None)
+            if key not in weights:
+                weights[key] = t.to(to)
+            return weights[key]
         return t.to(to)
 
     def _cast_all(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], to: torch.dtype, weights: dict[int, torch.Tensor] | None
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], to: torch.dtype, weights: dict[Any, torch.Tensor] | None
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         def one(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
