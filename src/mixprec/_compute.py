@@ -183,16 +183,7 @@ def kernel_support(device_type: str, dtype: torch.dtype) -> KernelSupport:
         >>> print(mixprec.kernel_support("cpu", torch.float16))  # doctest: +SKIP
         cpu float16: emulated (no CPU flag among amx_fp16, asimdhp; capability AVX512)
     """
-    spec = _devices.spec(device_type)
-    if not isinstance(dtype, torch.dtype) or dtype not in spec.supported_dtypes:
-        raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
-            _errors.message(
-                "kernel_support: dtype is invalid",
-                f"it must be a low-precision dtype {device_type} autocast supports",
-                received={"dtype": dtype},
-                expected=[_devices.dtype_name(d) for d in spec.supported_dtypes],
-            )
-        )
+    _devices.check_dtype("kernel_support", device_type, dtype)
     return _support(device_type, dtype)
 
 

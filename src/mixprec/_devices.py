@@ -90,3 +90,18 @@ def spec(device_type: object) -> DeviceSpec:
             )
         )
     return found
+
+
+def check_dtype(where: str, device_type: str, dtype: object) -> None:
+    """Raise mixprec's error unless ``dtype`` is a low-precision dtype the device's autocast supports."""
+    supported = spec(device_type).supported_dtypes
+    if isinstance(dtype, torch.dtype) and dtype in supported:
+        return
+    raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
+        _errors.message(
+            f"{where}: dtype is invalid",
+            f"it must be a low-precision dtype {device_type} autocast supports",
+            received={"dtype": dtype},
+            expected=[dtype_name(d) for d in supported],
+        )
+    )

@@ -102,19 +102,12 @@ def explain(
         >>> why.category, why.runs_in, why.source
         ('fp32_set_opt_dtype', torch.float32, 'default table CUDA')
     """
-    spec = _devices.spec(device_type)
+    _devices.spec(device_type)
     policy = _autocast.get_policy(device_type) if policy is None else policy
     _autocast._check_type("policy", policy, Policy)
     _autocast._check_type("dtype", dtype, torch.dtype, optional=True)
-    if dtype is not None and dtype not in spec.supported_dtypes:
-        raise ValueError(
-            _errors.message(
-                "explain: dtype is invalid",
-                f"it must be a low-precision dtype {device_type} autocast supports",
-                received={"dtype": dtype},
-                expected=[_devices.dtype_name(d) for d in spec.supported_dtypes],
-            )
-        )
+    if dtype is not None:
+        _devices.check_dtype("explain", device_type, dtype)
     dtype = _autocast.get_autocast_dtype(device_type) if dtype is None else dtype
     inputs = _input_dtypes(input_dtypes)
     name = _names.op_name(_names.dispatched(op), policy.table)

@@ -133,16 +133,7 @@ def diagnose(target: Target, device: str, dtype: torch.dtype, policy: mixprec.Po
         >>> d.first.module if d.first else None
     """
     check_target("diagnose", target)
-    spec = _devices.spec(device)
-    if dtype not in spec.supported_dtypes:
-        raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
-            _errors.message(
-                "diagnose: dtype is invalid",
-                f"it must be a low-precision dtype {device} autocast supports",
-                received={"dtype": dtype},
-                expected=[_devices.dtype_name(d) for d in spec.supported_dtypes],
-            )
-        )
+    _devices.check_dtype("diagnose", device, dtype)
     if policy is not None and not isinstance(policy, mixprec.Policy):
         raise TypeError(
             _errors.message("diagnose: policy is invalid", "it is the policy to run under",
