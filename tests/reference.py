@@ -76,6 +76,7 @@ the cache flag and is dropped when torch's nesting returns to 0.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -270,22 +271,40 @@ def category(policy: mixprec.Policy | None, op: Any, native: NativeTables) -> st
 
 
 class UnmodelledError(Exception):
-    """The program reaches something the interpreter does not model (see ``TRACED_DIFFERENTLY``)."""
+    """The program reaches something the interpreter does not model (a decomposition it cannot trace faithfully)."""
 
 
-#: Composites whose decomposition, traced by make_fx, takes another path than it takes eagerly.
+#: Composites whose kernel picks another path when traced, with results that can still agree in float32.
 TRACED_DIFFERENTLY = {
-    "aten::scaled_dot_product_attention": "eagerly it picks a fused CPU kernel; under make_fx, the math path",
-    "aten::linalg_cond": "its traced decomposition rounds differently from the eager one (2e-7 relative)",
+    "aten::scaled_dot_product_attention": "eagerly a fused CPU kernel; traced, the math path",
 }
 
 
+def _identical(a: Any, b: Any) -> bool:
+    """Same structure, and tensors equal bit for bit in dtype, shape and value (NaNs where NaNs)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        a, b = a.detach(), b.detach()
+        if a.is_complex():
+            a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
+        return bool(torch.equal(a, b) or (a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                                          and torch.equal(a.nan_to_num(), b.nan_to_num())))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_identical(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and (a == b or a != a)
+
+
 def _composite(op: Any) -> bool:
-    """Whether the op runs as its CompositeImplicitAutograd decomposition on CPU tensors."""
-    name = _qualified(op)
-    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd") and not any(
-        torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in ("AutogradCPU", "CPU", "Autograd")
-    )
+    """Whether the op runs as its CompositeImplicitAutograd decomposition on CPU tensors (torch's computed
+    dispatch table has the "math kernel" at AutogradCPU)."""
+    return _runs_decomposed(_qualified(op))
+
+
+@functools.cache
+def _runs_decomposed(name: str) -> bool:
+    rows = torch._C._dispatch_dump_table(name).splitlines()
+    return any(row.startswith("AutogradCPU:") and row.endswith("[math kernel]") for row in rows)
 
 
 # ---------------------------------------------------------------- the interpreter
@@ -440,8 +459,6 @@ class Reference:
         found = category(policy, op, self.native)
         if found is None:
             if _composite(op):  # it decomposes below the Autocast key: the ops it calls meet autocast there
-                if op.overloadpacket._qualified_op_name in TRACED_DIFFERENTLY:
-                    raise UnmodelledError(op.overloadpacket._qualified_op_name)
                 return self._decomposed(op, args, kwargs)
             return op(*args, **kwargs)
         first = args[0] if args else next(iter(kwargs.values()), None)
@@ -487,23 +504,49 @@ class Reference:
     def _decomposed(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A composite op, one call of its decomposition at a time: each meets the rules as it would natively.
 
-        The decomposition is traced on the arguments (a decomposition may branch on ``requires_grad``),
-        then replayed on them.
+        The composite kernel's own calls are traced with ``make_fx(pre_dispatch=True)``, one level deep
+        (a composite it calls is expanded again when replayed), on the arguments (it may branch on
+        ``requires_grad``),
+        in float32 if their dtypes are mixed (the rules reconcile them call by call), then replayed. A
+        decomposition that takes another path under the trace than eagerly (some branch on "is this being
+        traced": sdpa's kernel choice, svdvals computing the vectors) is refused: replayed without casts,
+        it must give the op's own result bit for bit, or the interpreter raises ``UnmodelledError``.
         """
         flat, spec = pytree.tree_flatten((args, kwargs))
-        detached = list(flat)
-        tensor_slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
+        slots = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor)]
 
-        def decompose(*tensors: torch.Tensor) -> Any:
-            values = list(detached)
-            for i, t in zip(tensor_slots, tensors, strict=True):
+        def call(function: Any, *tensors: torch.Tensor) -> Any:
+            values = list(flat)
+            for i, t in zip(slots, tensors, strict=True):
                 values[i] = t
             call_args, call_kwargs = pytree.tree_unflatten(values, spec)
-            return op.decompose(*call_args, **call_kwargs)
+            return function(*call_args, **call_kwargs)
+
+        def one_level(*call_args: Any, **call_kwargs: Any) -> Any:
+            with torch._C.DisableTorchFunction():  # run the composite kernel itself, so the trace sees its calls
+                return op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *call_args, **call_kwargs)
+
+        def trace(tensors: list[torch.Tensor]) -> torch.fx.GraphModule:
+            return make_fx(functools.partial(call, one_level), pre_dispatch=True)(*tensors)
 
         state = torch.random.get_rng_state()
-        graph = make_fx(decompose)(*[detached[i] for i in tensor_slots])
-        torch.random.set_rng_state(state)  # the trace ran the ops once: replay from the same random state
+        tensors = [flat[i] for i in slots]
+        try:
+            graph = trace(tensors)
+        except RuntimeError:
+            tensors = [t.float() if self._eligible(t) else t for t in tensors]
+            torch.random.set_rng_state(state)
+            try:
+                graph = trace(tensors)
+            except RuntimeError as error:  # data-dependent control flow (quantile): no graph to replay
+                raise UnmodelledError(f"{_qualified(op)}: its decomposition cannot be traced") from error
+        torch.random.set_rng_state(state)
+        traced = graph(*tensors)
+        torch.random.set_rng_state(state)
+        eager = call(op, *tensors)
+        torch.random.set_rng_state(state)  # replay from the random state the op would have started from
+        if _qualified(op) in TRACED_DIFFERENTLY or not _identical(traced, eager):
+            raise UnmodelledError(f"{_qualified(op)}: its decomposition takes another path when traced")
         reference = self
 
         class Replay(torch.fx.Interpreter):
@@ -512,7 +555,7 @@ class Reference:
                     return reference._apply(target, tuple(args), dict(kwargs))
                 return super().call_function(target, args, kwargs)
 
-        return Replay(graph).run(*[flat[i] for i in tensor_slots])
+        return Replay(graph).run(*[flat[i] for i in slots])
 
     def _cache_for(self, op: Any) -> dict[Any, torch.Tensor] | None:
         s = self.state

@@ -37,7 +37,7 @@ from reference import Call, Program, Ref, Region
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 PROFILES = {
     # CI: a fixed set of examples (derandomized), about 30 s on 2 cores.
-    "ci": settings(max_examples=150, deadline=None, derandomize=True, database=None, print_blob=True,
+    "ci": settings(max_examples=300, deadline=None, derandomize=True, database=None, print_blob=True,
                    suppress_health_check=_QUIET),
     # By hand: MIXPREC_FUZZ=long, thousands of new examples each run.
     "long": settings(max_examples=3000, deadline=None, print_blob=True, suppress_health_check=_QUIET),
@@ -77,6 +77,7 @@ BELOW_AUTOGRAD = {
     "bilinear": "its _trilinear kernel calls bmm below autograd",
     "pinverse": "linalg_pinv's kernel calls matmul below autograd",
     "linalg_pinv": "its kernel calls matmul below autograd",
+    "vdot": "its kernel calls dot below autograd (listed fp32 in CPU_DOCUMENTED)",
 }
 
 
@@ -547,3 +548,98 @@ def test_every_table_op_is_drawn_or_named_unreachable() -> None:
     tables = [getattr(mixprec.policies, attr).table for attr in ("CPU", "CUDA", "XPU")]
     defaults = {name.split("::")[-1].split(".")[0] for table in tables for name in table}
     assert set(UNLISTED).isdisjoint(defaults), "UNLISTED ops are not in any device's default table"
+
+
+# ---------------------------------------------------------------- shrunk programs, kept as regular tests
+
+
+def _exact(program: Program) -> Outcome:
+    """``check`` for a hand-kept program: the interpreter must model it (no rejection); mixprec's outcome."""
+    native = _native()
+    _kernels.reset()
+    mine = outcome(lambda: run_engine(program))
+    _kernels.reset()
+    same_outcome(mine, outcome(lambda: reference.Reference(program, native, _overloads).run()), "reference")
+    if _default_only(program):
+        same_outcome(mine, outcome(lambda: run_engine(program, native=True)), "native torch.autocast")
+    return mine
+
+
+def _weights() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return [torch.randn(shape).requires_grad_() for shape in SHARED.values()]
+
+
+W, B, S, V = (Ref("leaf", i) for i in range(4))
+
+
+def test_a_composite_s_calls_meet_the_policy() -> None:
+    """chain_matmul is not listed; the mm calls it decomposes into are cast (shrunk from a fuzz failure)."""
+    leaves = [*_weights(), torch.randn(2, 3), torch.randn(3, 4), torch.randn(4, 2)]
+    call = Call("aten::chain_matmul", ([Ref("leaf", 4), Ref("leaf", 5), Ref("leaf", 6)],))
+    found = _exact(Program(tuple(leaves), (Region("mixprec", (call,)),)))
+    assert found.outputs[0].dtype == torch.bfloat16
+
+
+def test_a_composite_is_expanded_one_level() -> None:
+    """cross_entropy_loss calls log_softmax, which CUDA_DOCUMENTED runs in float32: its result is float32."""
+    leaves = [*_weights(), torch.randn(4, 5).half().requires_grad_(), torch.tensor([0, 2, 4, 1])]
+    call = Call("aten::cross_entropy_loss", (Ref("leaf", 4), Ref("leaf", 5)))
+    region = Region("mixprec", (call,), dtype=torch.float16, policy=mixprec.policies.CUDA_DOCUMENTED)
+    found = _exact(Program(tuple(leaves), (region,)))
+    assert found.outputs[0].dtype == torch.float32
+
+
+def test_promote_walks_its_inputs_in_order() -> None:
+    """A bfloat16 input in a float16 region raises before a float32 one is met, and not after (as ATen)."""
+    x = Ref("leaf", 4)
+    leaves = [*_weights(), torch.randn(3).bfloat16()]
+    raises = Call("aten::cat", ([x, V],))
+    widens = Call("aten::cat", ([V, x],))
+    first, second = (Program(tuple(leaves), (Region("torch", (c,), dtype=torch.float16),)) for c in (raises, widens))
+    assert _exact(first).error == "forward: RuntimeError"
+    assert _exact(second).outputs[0].dtype == torch.float32
+
+
+def test_append_dtype_fills_in_the_defaults() -> None:
+    """norm.Scalar under CUDA's fp32_append_dtype becomes norm.ScalarOpt_dtype with p=2 and dtype=float32."""
+    leaves = [*_weights(), torch.randn(5).bfloat16()]
+    region = Region("mixprec", (Call("aten::norm", (Ref("leaf", 4),)),), policy=mixprec.policies.CUDA)
+    assert _exact(Program(tuple(leaves), (region,))).outputs[0].dtype == torch.float32
+
+
+def test_a_documented_table_follows_the_device_it_runs_on() -> None:
+    """XPU lists _convolution, but on CPU only its .deprecated overload has an Autocast kernel: .default stays."""
+    args, _ = HAND["_convolution"]()
+    leaves = [*_weights(), *args[:3]]
+    call = Call("aten::_convolution", (Ref("leaf", 4), Ref("leaf", 5), Ref("leaf", 6), *args[3:]))
+    found = _exact(Program(tuple(leaves), (Region("mixprec", (call,), policy=mixprec.policies.XPU),)))
+    assert found.outputs[0].dtype == torch.float32
+
+
+def test_an_installed_documented_policy_in_torch_regions() -> None:
+    """Under install(CPU_DOCUMENTED), matmul is unlisted and decomposes into mm, which is cast (long fuzz)."""
+    leaves = [*_weights(), torch.randn(6, 1)]
+    body = (Call("aten::matmul", (Ref("leaf", 4), W)), Call("aten::mm", (Ref("leaf", 4), W)))
+    program = Program(tuple(leaves), (Region("torch", body),), install=(mixprec.policies.CPU_DOCUMENTED, "native"))
+    assert [t.dtype for t in _exact(program).outputs] == [torch.bfloat16, torch.bfloat16]
+
+
+def test_a_weight_cast_by_torch_and_by_mixprec_kernels() -> None:
+    """W meets torch's mm kernel and mixprec's mul kernel in one region: one cast in each cache (docs/design.md)."""
+    policy = mixprec.policies.CPU.with_ops(lower_precision_fp=["mul"])
+    leaves = [*_weights(), torch.randn(3, 1)]
+    x = Ref("leaf", 4)
+    body = (Call("aten::mm", (x, W)), Call("aten::mul", (x, W)), Call("aten::mm", (x, W)), Call("aten::mul", (x, W)))
+    found = _exact(Program(tuple(leaves), (Region("mixprec", body, policy=policy),)))
+    assert found.grads is not None and found.grads[0] is not None
+
+
+def test_mixprec_s_cache_keeps_one_copy_per_dtype() -> None:
+    """Emulated compute gives mm a mixprec kernel; in a nested float16 torch.autocast, W is cast to float16."""
+    leaves = [*_weights(), torch.randn(3, 1)]
+    x = Ref("leaf", 4)
+    inner = Region("torch", (Call("aten::mm", (x, W)),), dtype=torch.float16)
+    region = Region("mixprec", (Call("aten::mm", (x, W)), inner), compute="emulated")
+    found = _exact(Program(tuple(leaves), (region,)))
+    assert [t.dtype for t in found.outputs] == [torch.bfloat16, torch.float16]
