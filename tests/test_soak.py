@@ -280,7 +280,7 @@ def install_and_remove_between_torch_regions(probe: Probe | None) -> int:
     with torch.autocast("cpu", dtype=BF16):
         before = torch.mm(X, w)
         assert before.dtype is BF16
-    handle = mixprec.install(MM_FP32)
+    handle = mixprec.install(MM_FP32, compute="native")  # the same casts to follow on every CPU
     try:
         with torch.autocast("cpu", dtype=BF16):
             y, z = torch.mm(w, w), F.linear(X, w)
