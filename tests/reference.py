@@ -70,11 +70,13 @@ mixprec kernel (one registered for some setting the program entered) uses
 mixprec's, which is on while a mixprec level is open (a mixprec region or a
 module-policy level), the cache flag is on and grad is enabled, and is dropped
 when the last mixprec level closes. Any other op uses torch's, which is on with
-the cache flag and is dropped when torch's nesting returns to 0.
+the cache flag, also under ``no_grad`` (its copies carry autograd history even
+there), and is dropped when torch's nesting returns to 0.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
@@ -399,7 +401,7 @@ class Reference:
                 self._register(s.setting)
             s.enabled = region.enabled
             s.dtype = region.dtype or torch.bfloat16
-            s.cache_flag = (True if region.cache_enabled is None else region.cache_enabled) and torch.is_grad_enabled()
+            s.cache_flag = True if region.cache_enabled is None else region.cache_enabled
             opened_mixprec = opened_torch = True
         elif region.kind == "torch":
             s.enabled = region.enabled
@@ -411,7 +413,6 @@ class Reference:
                 current = s.setting or self.installed
                 s.setting = _Setting(region.policy, current.emulate if current is not None else False)
                 self._register(s.setting)
-                s.cache_flag = s.cache_flag and torch.is_grad_enabled()
                 opened_mixprec = opened_torch = True
             s.module_policies.append(region.policy)
             module_pushed = True
@@ -420,7 +421,6 @@ class Reference:
                 self.leaves = [self._to32(t) for t in leaves]
                 self.outputs = [self._to32_output(o) for o in outputs]
                 s.enabled = False
-                s.cache_flag = s.cache_flag and torch.is_grad_enabled()
                 opened_mixprec = opened_torch = True
         s.mixprec_levels += opened_mixprec
         s.torch_nesting += opened_torch
@@ -589,9 +589,13 @@ class Reference:
         if weights is not None and weight:
             # torch's cache is keyed by the weight alone (a copy cast for an outer region's dtype is
             # returned in a nested region of another dtype); mixprec's by the weight and the dtype.
-            key = (id(t), to) if weights is self.state.mixprec_cache else (id(t), None)
+            torch_cache = weights is not self.state.mixprec_cache
+            key = (id(t), None) if torch_cache else (id(t), to)
             if key not in weights:
-                weights[key] = t.to(to)
+                # torch's cache records the cast's autograd history even under no_grad (a copy cached there
+                # carries the weight's gradient when reused with grad on); mixprec's is off under no_grad.
+                with torch.enable_grad() if torch_cache else contextlib.nullcontext():
+                    weights[key] = t.to(to)
             return weights[key]
         return t.to(to)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import mixprec
+from mixprec import _kernels
 from mixprec.graph import apply_policy, cast_nodes
 from mixprec.graph._casts import cast_source
 
@@ -66,14 +67,35 @@ def _eager():
         return NET(X)
 
 
-def test_trace_and_freeze_record_the_casts():
-    with torch.no_grad(), mixprec.autocast("cpu"):
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_trace_and_freeze_record_the_casts(grad):
+    # As torch's own docs ask of torch.autocast: the cast cache off while tracing, or a cached copy reaches
+    # the tracer as a constant that requires grad.
+    with torch.set_grad_enabled(grad), mixprec.autocast("cpu", cache_enabled=False):
         traced = torch.jit.trace(NET, X)
         eager = NET(X)
     frozen = torch.jit.freeze(traced)
     assert "BFloat16" in str(frozen.graph)
-    for f, e in zip(frozen(X), eager, strict=True):
-        assert f.dtype is e.dtype and torch.equal(f, e)
+    with torch.no_grad():
+        for f, e in zip(frozen(X), eager, strict=True):
+            assert f.dtype is e.dtype and torch.equal(f, e)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_trace_with_the_cache_on_fails_as_native_does(grad):
+    # The region is torch's autocast state, cache flag included: tracing under it behaves as under torch.autocast
+    # (with torch's own kernels: mixprec's that earlier tests registered keep their own cache).
+    _kernels.reset()
+    outcomes = []
+    for region in (torch.autocast("cpu"), mixprec.autocast("cpu")):
+        with torch.set_grad_enabled(grad), region:
+            assert torch.is_autocast_cache_enabled()
+            try:
+                torch.jit.trace(NET, X)
+                outcomes.append("traced")
+            except RuntimeError as error:
+                outcomes.append(str(error).split(".")[0])
+    assert outcomes[0] == outcomes[1]
 
 
 def test_export_of_a_mixprec_forward_gives_the_eager_outputs():

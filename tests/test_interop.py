@@ -35,6 +35,32 @@ def test_torch_reports_the_region():
     assert not torch.is_autocast_enabled("cpu")
 
 
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("cache_enabled", [None, False, True])
+def test_torch_reports_the_cache_flag_as_native(grad, cache_enabled):
+    with torch.set_grad_enabled(grad), torch.autocast("cpu", cache_enabled=cache_enabled):
+        expected = torch.is_autocast_cache_enabled()
+    with torch.set_grad_enabled(grad), mixprec.autocast("cpu", cache_enabled=cache_enabled, compute="native"):
+        assert torch.is_autocast_cache_enabled() is expected
+
+
+def test_a_weight_cast_under_no_grad_then_used_with_grad_gives_native_gradients():
+    def run(region):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(8, 8)
+        x = torch.randn(4, 8)
+        with region():
+            with torch.no_grad():
+                layer(x)  # torch's cache keeps the weight's copy, with its autograd history
+            out = layer(x)
+        out.float().sum().backward()
+        return out, layer.weight.grad
+
+    (out, grad), (expected_out, expected_grad) = run(_ours), run(_native)
+    assert out.dtype is expected_out.dtype is BF16 and torch.equal(out, expected_out)
+    assert torch.equal(grad, expected_grad)
+
+
 def test_nested_torch_autocast_disabled_turns_it_off():
     a = torch.randn(4, 4)
     with _ours(), torch.autocast("cpu", enabled=False):

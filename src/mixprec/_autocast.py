@@ -13,6 +13,15 @@ from mixprec.policies import Policy
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# torch's state functions, bound once: a region's entry and exit run on every step.
+_dynamo_compiling = torch.compiler.is_dynamo_compiling  # one Python frame, where is_compiling has two
+_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_is_enabled, _set_enabled = torch.is_autocast_enabled, torch.set_autocast_enabled
+_get_dtype, _set_dtype = torch.get_autocast_dtype, torch.set_autocast_dtype
+_is_cached, _set_cached = torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled
+_increment_nesting, _decrement_nesting = torch.autocast_increment_nesting, torch.autocast_decrement_nesting
+_clear_cache = torch.clear_autocast_cache
+
 
 class autocast:  # noqa: N801 - torch's name
     """Run a region of code in mixed precision.
@@ -63,7 +72,7 @@ class autocast:  # noqa: N801 - torch's name
         policy: Policy | None = None,
         compute: str = "auto",
     ) -> None:
-        compiling = torch.compiler.is_compiling()
+        compiling = _dynamo_compiling()
         key = (device_type, dtype, enabled, type(enabled), cache_enabled, type(cache_enabled), id(policy), compute)
         try:
             found = None if compiling else _configured.get(key)
@@ -97,15 +106,54 @@ class autocast:  # noqa: N801 - torch's name
 
     def __enter__(self) -> autocast:
         setting = self._setting
-        if not self._enabled:
-            setting = None
-        elif setting is None or _state._state.module_policies or (self._policy is None and _install.current):
-            setting = self._setting_for(_state._state)
-        enter(self.device, setting, self.fast_dtype, self._enabled, self._cache_enabled)
+        state = _state._state
+        if (
+            setting is None
+            or state.module_policies
+            or (self._policy is None and _install.current)
+            or _function_mode_enabled()
+        ):
+            if not self._enabled:
+                setting = None
+            elif setting is None or state.module_policies or (self._policy is None and _install.current):
+                setting = self._setting_for(state)
+            enter(self.device, setting, self.fast_dtype, self._enabled, self._cache_enabled)
+            return self
+        # The common case: a region made in eager code (only those hold a setting), entered in eager code
+        # (dynamo refuses to enter a context manager made outside the function it compiles, and the
+        # decorator's copy made under compile holds none). ``enter``'s eager path written out: a region is
+        # entered on every step, and its cost shows against a small compiled model.
+        if _kernels._ensured.get(setting.key) is not setting.policy:
+            _kernels.ensure(setting)
+        device = self.device
+        active = state.active
+        state.frames.append((device, True, active.get(device), (_is_enabled(device), _get_dtype(device), _is_cached())))
+        active[device] = setting
+        _set_enabled(device, True)
+        _set_dtype(device, self.fast_dtype)
+        _increment_nesting()
+        _set_cached(self._cache_enabled)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if not _state._state.frames:
+        state = _state._state
+        frames = state.frames
+        if frames and type(frames[-1][3]) is tuple:  # entered on the eager path: ``leave`` written out
+            device, pushed, previous, saved = frames.pop()
+            if _decrement_nesting() == 0:
+                _clear_cache()
+            _set_enabled(device, saved[0])
+            _set_dtype(device, saved[1])
+            _set_cached(saved[2])
+            if pushed:
+                if previous is None:
+                    del state.active[device]
+                else:
+                    state.active[device] = previous
+            if not frames and _cast._thread.cache:
+                _cast._thread.cache.clear()
+            return
+        if not frames:
             raise RuntimeError(
                 _errors.message(
                     "autocast.__exit__ called out of order",
@@ -122,9 +170,11 @@ class autocast:  # noqa: N801 - torch's name
             if inner is not None:
                 return _state.setting(self.device, inner, self._emulate, self._emulate_ops)
         setting = self._setting
-        if setting is None:  # made on first entry, then reused
+        if setting is None:  # made on first entry, then reused in eager code (see __enter__)
             policy = self._policy if self._policy is not None else _tables.default_policy(self.device)
-            setting = self._setting = _state.setting(self.device, policy, self._emulate, self._emulate_ops)
+            setting = _state.setting(self.device, policy, self._emulate, self._emulate_ops)
+            if not _dynamo_compiling():
+                self._setting = setting
         return setting
 
     def __call__(self, func: F) -> F:
@@ -153,7 +203,7 @@ class autocast:  # noqa: N801 - torch's name
         region._policy, region._enabled, region._emulate = self._policy, self._enabled, self._emulate
         region._emulate_ops = self._emulate_ops
         region._compute = self._compute
-        region._setting = self._setting
+        region._setting = None if _dynamo_compiling() else self._setting  # see __enter__
         return region
 
     def __repr__(self) -> str:
@@ -175,10 +225,7 @@ def enter(
     """Open one nesting level: torch's autocast state for ``device``, and mixprec's setting beside it.
 
     ``setting=None`` keeps the thread's current mixprec setting (a level that only turns autocast off).
-    No cache for a region opened under no_grad: a cached copy made there has no autograd history, and
-    torch.jit.trace cannot record one (torch's own kernels cache otherwise; mixprec's never do under no_grad).
     """
-    cache_enabled = cache_enabled and torch.is_grad_enabled()
     if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
         _enter_traced(device, setting, dtype, enabled, cache_enabled)
         return
