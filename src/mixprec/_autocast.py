@@ -123,7 +123,7 @@ class autocast:  # noqa: N801 - torch's name
         # (dynamo refuses to enter a context manager made outside the function it compiles, and the
         # decorator's copy made under compile holds none). ``enter``'s eager path written out: a region is
         # entered on every step, and its cost shows against a small compiled model.
-        if _kernels._ensured.get(setting.key) is not setting.policy:
+        if setting.ready is not _kernels.generation:
             _kernels.ensure(setting)
         device = self.device
         active = state.active
@@ -150,8 +150,8 @@ class autocast:  # noqa: N801 - torch's name
                     del state.active[device]
                 else:
                     state.active[device] = previous
-            if not frames and _cast._thread.cache:
-                _cast._thread.cache.clear()
+            if not frames and state.cache:
+                state.cache.clear()
             return
         if not frames:
             raise RuntimeError(

@@ -16,11 +16,12 @@ autocast region, as native autocast does, with three corrections:
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any
 
 import torch
+
+from mixprec import _state
 
 _Tensor = torch.Tensor
 _float32 = torch.float32
@@ -30,17 +31,10 @@ CacheEntry = tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]
 Cache = dict[tuple[int, torch.dtype], CacheEntry]
 
 
-class _ThreadCache(threading.local):
-    def __init__(self) -> None:
-        self.cache: Cache = {}
-
-
-_thread = _ThreadCache()
-
-
 def thread_cache() -> Cache:
-    """This thread's cast cache (cleared when its outermost region exits)."""
-    return _thread.cache
+    """This thread's cast cache (cleared when its outermost region exits; kept in the thread's mixprec state)."""
+    cache: Cache = _state._state.cache
+    return cache
 
 
 def is_eligible(t: torch.Tensor, device_type: str) -> bool:

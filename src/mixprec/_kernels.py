@@ -40,6 +40,8 @@ _lock = threading.Lock()
 _libraries: dict[str, torch.library.Library] = {}  # namespace -> the Library holding mixprec's kernels
 _registered: dict[str, set[Op]] = {}  # autocast key -> overloads with a mixprec kernel
 _ensured: dict[tuple[str, int, bool, frozenset[str], bool], Policy] = {}
+#: Replaced by ``reset``: a region that ensured its kernels under this generation need not check again.
+generation = object()
 
 
 def registered(device_type: str) -> frozenset[Op]:
@@ -61,6 +63,7 @@ def _emulated(setting: _state.Setting, op: Op) -> bool:
 def ensure(setting: _state.Setting) -> None:
     """Register the kernels ``setting`` needs and does not have yet (memoized per setting)."""
     if _ensured.get(setting.key) is setting.policy:
+        object.__setattr__(setting, "ready", generation)  # a frozen dataclass: the one mutable mark
         return
     _tables.check_native(setting.device_type)
     key = _tables.autocast_key(setting.device_type)
@@ -81,6 +84,7 @@ def ensure(setting: _state.Setting) -> None:
     if len(_ensured) > 1024:
         _ensured.clear()
     _ensured[setting.key] = setting.policy
+    object.__setattr__(setting, "ready", generation)
 
 
 def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
@@ -108,7 +112,9 @@ def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
 
 def reset() -> None:
     """Drop every mixprec kernel: torch's own kernels are back (for tests that need pristine native)."""
+    global generation
     with _lock:
+        generation = object()
         for library in _libraries.values():
             library._destroy()
         _libraries.clear()

@@ -27,6 +27,8 @@ class Setting:
     emulate: bool = False  # every lower_precision_fp op computes emulated
     emulate_ops: frozenset[str] = frozenset()  # these overloads too, under native compute (compute="auto")
     from_module: bool = False  # set by set_module_policy's hook (which runs again in a checkpoint's recompute)
+    #: Not a field: ``_kernels.generation`` once ``_kernels.ensure`` registered what this setting needs.
+    ready = None
 
     @functools.cached_property
     def key(self) -> tuple[str, int, bool, frozenset[str], bool]:
@@ -58,6 +60,7 @@ class ThreadState(threading.local):
         self.active: dict[str, Setting] = {}  # device type -> innermost mixprec setting
         self.frames: list[Frame] = []
         self.module_policies: list[Policy] = []  # set_module_policy: innermost last
+        self.cache: dict[Any, Any] = {}  # mixprec's cast cache (``_cast``)
 
     @property
     def nesting(self) -> int:
