@@ -26,7 +26,7 @@ Usage::
     python benchmarks/compiled.py [--repeats 50] [--sample-ms 20] [--threads 1] [--json out.json]
     python benchmarks/compiled.py --alone mixprec   # one contender per process, as a cross-check
 
-The exit status is 1 if the goal mixprec/native <= 1.0 (paired) is missed.
+The exit status is 1 if the goal mixprec/native <= 1.0 (the ratio of the medians) is missed.
 """
 
 from __future__ import annotations

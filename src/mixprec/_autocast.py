@@ -256,8 +256,18 @@ def _enter_traced(
             _kernels.ensure(setting)
         previous = state.active.get(device)
         _push(state, device, setting, compiling)
+    entered: Any
     try:
-        entered = torch.amp._enter_autocast(device, dtype, enabled, cache_enabled)
+        if not _dynamo_compiling():
+            # Non-strict export (or another torch-function mode): torch.autocast's own object sets the state
+            # and reports the region to export's tracer, so a nested region's exit restores the state it traces.
+            entered = torch.autocast(device, dtype, enabled, cache_enabled)
+            entered.__enter__()
+        elif _compile.strict_exporting():
+            entered = _compile.torch_region(device, dtype, enabled, cache_enabled)
+            entered.__enter__()  # dynamo records the with block inside as wrap_with_autocast
+        else:
+            entered = torch.amp._enter_autocast(device, dtype, enabled, cache_enabled)
     except BaseException:
         if setting is not None:
             _pop(state, device, previous, compiling)
@@ -281,7 +291,10 @@ def leave(state: _state.ThreadState, levels: int) -> None:
                 else:
                     state.active[device] = previous
         else:
-            torch.amp._exit_autocast(saved)
+            if _dynamo_compiling():
+                torch.amp._exit_autocast(saved)
+            else:
+                saved.__exit__(None, None, None)
             if pushed:
                 _pop(state, device, previous, torch.compiler.is_compiling())
     if levels and not state.frames:

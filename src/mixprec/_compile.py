@@ -17,11 +17,13 @@ does, and ``token`` (run eagerly by the trace) registers ``push`` with dynamo.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 
 import torch
 
-from mixprec import _errors, _guard, _kernels, _state
+from mixprec import _errors, _guard, _kernels, _state, _tables
 from mixprec._constant import constant
 from mixprec.policies import Policy
 
@@ -32,9 +34,9 @@ _tokens: dict[int, tuple[str, _state.Setting | None]] = {}
 @constant
 def token(device_type: str, policy: Policy | None, emulate: bool, emulate_ops: frozenset[str]) -> int:
     """An int standing for a setting in a graph (None: no setting), its kernels registered (run eagerly)."""
-    _refuse_strict_export()
     setting = None if policy is None else _state.Setting(device_type, policy, emulate, emulate_ops)
     if setting is not None:
+        _refuse_export(setting)
         _kernels.ensure(setting)
     import torch._dynamo
 
@@ -47,23 +49,44 @@ def token(device_type: str, policy: Policy | None, emulate: bool, emulate_ops: f
     return key
 
 
-def _refuse_strict_export() -> None:
-    """Strict export keeps autocast only where dynamo sees ``torch.autocast`` itself; say so rather than drop it."""
+@constant
+def strict_exporting() -> bool:
+    """Whether dynamo is tracing for ``torch.export.export(..., strict=True)`` (run eagerly by the trace)."""
     if not torch.compiler.is_exporting():
-        return
+        return False
     from torch._dynamo.symbolic_convert import InstructionTranslator
 
     try:
         InstructionTranslator.current_tx()
-    except AttributeError:  # non-strict export: the region is recorded as torch.autocast's
+    except AttributeError:  # non-strict export runs the code itself
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def torch_region(device: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool) -> Iterator[None]:
+    """Torch's autocast as a ``with`` statement, which strict export records as ``wrap_with_autocast``
+    (dynamo enters a generator context called explicitly, not ``torch.autocast.__enter__``)."""
+    with torch.autocast(device, dtype, enabled, cache_enabled):
+        yield
+
+
+def _refuse_export(setting: _state.Setting) -> None:
+    """An exported program keeps torch's autocast state, not mixprec's policy: refuse a policy it would drop.
+
+    Emulated compute is not refused: it has native's casts and dtypes, and the exported program runs its
+    low-precision ops on the kernels of the device it is deployed on.
+    """
+    if not torch.compiler.is_exporting() or not _tables.effective(setting.policy, setting.device_type)[1]:
         return
     raise RuntimeError(
         _errors.message(
-            "mixprec.autocast cannot be exported with torch.export.export(..., strict=True)",
-            "strict export records an autocast region only where dynamo traces torch.autocast itself, and "
-            "would drop this one silently",
-            fix="Export with strict=False (torch's default), or apply the policy to the exported float32 "
-            "program with mixprec.graph.apply_policy.",
+            "This mixprec.autocast region cannot be exported",
+            "torch.export records a region as torch's autocast (device, dtype, enabled, cache), so the "
+            "exported program would apply torch's native categories, not this policy's",
+            received={"policy": setting.policy},
+            fix="Export the float32 model and apply the policy to the program with "
+            "mixprec.graph.apply_policy, or keep the device's default policy inside exported code.",
         )
     )
 
