@@ -10,6 +10,11 @@ kernels at the Autocast keys see the region's policy wherever they run. The
 casts they make end up in the graph; ``push`` itself leaves nothing in an
 ATen graph.
 
+torch.export records a region as torch's ``wrap_with_autocast``, which holds
+torch's state only: ``strict_exporting`` and ``torch_region`` let strict export
+see torch's part as a ``with torch.autocast`` block, and ``token`` refuses to
+export a region whose policy changes a category.
+
 Nothing here imports ``torch._dynamo`` when mixprec is imported: ``constant``
 (``mixprec._constant``) marks a function as ``torch.compiler.assume_constant_result``
 does, and ``token`` (run eagerly by the trace) registers ``push`` with dynamo.
