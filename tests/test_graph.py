@@ -70,8 +70,9 @@ def _eager():
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
 def test_trace_and_freeze_record_the_casts(grad):
     # As torch's own docs ask of torch.autocast: the cast cache off while tracing, or a cached copy reaches
-    # the tracer as a constant that requires grad.
-    with torch.set_grad_enabled(grad), mixprec.autocast("cpu", cache_enabled=False):
+    # the tracer as a constant that requires grad. Native compute: the trace records torch's casts (an
+    # emulated op is a Python autograd Function, which the tracer records differently on each run).
+    with torch.set_grad_enabled(grad), mixprec.autocast("cpu", cache_enabled=False, compute="native"):
         traced = torch.jit.trace(NET, X)
         eager = NET(X)
     frozen = torch.jit.freeze(traced)
@@ -87,7 +88,7 @@ def test_trace_with_the_cache_on_fails_as_native_does(grad):
     # (with torch's own kernels: mixprec's that earlier tests registered keep their own cache).
     _kernels.reset()
     outcomes = []
-    for region in (torch.autocast("cpu"), mixprec.autocast("cpu")):
+    for region in (torch.autocast("cpu"), mixprec.autocast("cpu", compute="native")):
         with torch.set_grad_enabled(grad), region:
             assert torch.is_autocast_cache_enabled()
             try:
