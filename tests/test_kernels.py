@@ -106,3 +106,27 @@ def test_plain_torch_regions_through_mixprec_kernels_never_reuse_a_stale_cast():
         out.float().sum().backward()
         optimizer.step()
         optimizer.zero_grad()
+
+
+def test_a_python_number_where_a_tensor_goes_passes_through_a_kernel_without_a_rule():
+    # Torch unboxes the wrapped number of `x + 1` into a Python int before a Python kernel sees it, and
+    # redispatching that to add.Tensor fails; once some policy gave add a kernel, every region without a
+    # rule for it (the default one, a plain torch.autocast) must still run it as torch does.
+    x, h = torch.randn(3), torch.randn(3).bfloat16()
+    i = torch.arange(3)
+    expected = [x + 1, h + 1, i + 1.5, x * 2, x - 2.5]
+    with mixprec.autocast("cpu", policy=CPU.with_ops(promote=["add", "mul", "sub"]), compute="native"):
+        assert (h + x).dtype is torch.float32  # the policy's rule
+    for region in (torch.autocast("cpu"), mixprec.autocast("cpu", compute="native")):
+        with region:
+            got = [x + 1, h + 1, i + 1.5, x * 2, x - 2.5]
+        for g, e in zip(got, expected, strict=True):
+            assert g.dtype is e.dtype and torch.equal(g, e)
+
+
+def test_torchscript_only_overloads_get_no_kernel():
+    # aten::add(Scalar a, Scalar b) -> Scalar (the packet's "default") is unknown to the dispatcher.
+    with mixprec.autocast("cpu", policy=CPU.with_ops(promote=["add"]), compute="native"):
+        pass
+    assert torch.ops.aten.add.Tensor in _kernels.registered("cpu")
+    assert torch.ops.aten.add.default not in _kernels.registered("cpu")

@@ -35,6 +35,7 @@ from mixprec.policies import Category, Policy
 Op = torch._ops.OpOverload
 Entry = tuple[_rules.Rule, bool]  # the rule, and whether it computes emulated
 _LOWER = Category.LOWER_PRECISION_FP
+_NUMBERS = (bool, int, float, complex)
 
 _lock = threading.Lock()
 _libraries: dict[str, torch.library.Library] = {}  # namespace -> the Library holding mixprec's kernels
@@ -179,6 +180,9 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
     grad_enabled = torch.is_grad_enabled
     saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
     state = _state.get()
+    # Positions of Tensor parameters after the first: a Python number there reached the kernel as torch
+    # unboxes a wrapped number (``x + 1``), and ``redispatch`` refuses it for a Tensor parameter.
+    maybe_scalar = tuple(i for i, a in enumerate(op._schema.arguments) if i and str(a.type) == "Tensor")
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if is_compiling():
@@ -207,6 +211,11 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
     def _call(table: dict[Op, Entry], keyset: Any, args: Any, kwargs: Any) -> Any:
         entry = table.get(op)
         if entry is None:
+            if maybe_scalar and any(i < len(args) and type(args[i]) in _NUMBERS for i in maybe_scalar):
+                # Below autocast by another route: the op with the Autocast key excluded (it has a kernel of
+                # its own there, not a decomposition that autocast would meet).
+                with torch._C._ExcludeDispatchKeyGuard(exclude):
+                    return op(*args, **kwargs)
             return op.redispatch(keyset & after, *args, **kwargs)
         rule, emulate = entry
         with torch._C._ExcludeDispatchKeyGuard(exclude):

@@ -57,8 +57,13 @@ def qualified(op: Op) -> str:
 
 
 def _functional(op: Op) -> bool:
-    """Not an ``out=`` or in-place overload: autocast leaves those alone."""
-    return not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
+    """Not an ``out=`` or in-place overload (autocast leaves those alone), and one that takes a tensor: the
+    TorchScript-only scalar overloads (``aten::add(Scalar a, Scalar b) -> Scalar``, the packet's ``default``)
+    never reach the dispatcher's Autocast keys, and a kernel registered under their name shadows nothing."""
+    arguments = op._schema.arguments
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in arguments) and any(
+        "Tensor" in str(a.type) for a in arguments
+    )
 
 
 def overloads(name: str) -> tuple[Op, ...]:
