@@ -73,11 +73,19 @@ class autocast:  # noqa: N801 - torch's name
         compute: str = "auto",
     ) -> None:
         compiling = _dynamo_compiling()
-        key = (device_type, dtype, enabled, type(enabled), cache_enabled, type(cache_enabled), id(policy), compute)
-        try:
-            found = None if compiling else _configured.get(key)
-        except TypeError:  # an unhashable argument: checked below, and refused
-            found = None
+        if (enabled is True or enabled is False) and (cache_enabled is None or type(cache_enabled) is bool):
+            # Keyed by value (True == 1, so only bools reach here); a policy by identity.
+            key: tuple[Any, ...] = (
+                (device_type, dtype, enabled, cache_enabled, compute)
+                if policy is None
+                else (device_type, dtype, enabled, cache_enabled, compute, id(policy))
+            )
+            try:
+                found = None if compiling else _configured.get(key)
+            except TypeError:  # an unhashable argument: checked below, and refused
+                found = None
+        else:  # a wrong type: checked below, and refused
+            key, found = (), None
         if found is not None and found["_policy"] is policy:  # checked before: regions are made once per step
             self.__dict__.update(found)
             return
@@ -97,7 +105,7 @@ class autocast:  # noqa: N801 - torch's name
             _compute.emulated_ops(self._compute, device_type, self.fast_dtype) if self._enabled else frozenset()
         )
         self._setting = None  # made here when the arguments are remembered, else on first entry
-        if self._enabled and not compiling:  # no warning was given: remember the checked arguments
+        if self._enabled and key and not compiling:  # no warning was given: remember the checked arguments
             chosen = self._policy if self._policy is not None else _tables.default_policy(device_type)
             self._setting = _state.setting(device_type, chosen, self._emulate, self._emulate_ops)
             if len(_configured) > 256:
