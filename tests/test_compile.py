@@ -492,3 +492,13 @@ def test_a_compiled_function_follows_the_policy_of_the_region_around_it(backend)
     assert seen == [torch.float32, BF16, torch.float32, BF16, BF16]
     with torch.autocast("cpu"):  # no mixprec setting: native, as traced under none
         assert compiled(a).dtype is BF16
+
+
+def test_a_policy_made_inside_the_compiled_function_is_refused_clearly():
+    # Dynamo hands mixprec an object built while tracing without its attributes; say what to do instead.
+    def inside(x):
+        with mixprec.autocast("cpu", policy=mixprec.policies.CPU.with_ops(fp32=["mm"])):
+            return torch.mm(x, x.T)
+
+    with pytest.raises(Exception, match=r"policy made inside the compiled function.*outside the compiled function"):
+        _compile(inside)(X)

@@ -39,6 +39,15 @@ _tokens: dict[int, tuple[str, _state.Setting | None]] = {}
 @constant
 def token(device_type: str, policy: Policy | None, emulate: bool, emulate_ops: frozenset[str]) -> int:
     """An int standing for a setting in a graph (None: no setting), its kernels registered (run eagerly)."""
+    if policy is not None and "table" not in vars(policy):
+        # Dynamo hands a constant function an object made during the trace without its attributes.
+        raise RuntimeError(
+            _errors.message(
+                "mixprec.autocast got a policy made inside the compiled function",
+                "torch.compile passes an object built while tracing to mixprec without its table",
+                fix="Build the policy outside the compiled function (e.g. at module level) and pass it in.",
+            )
+        )
     setting = None if policy is None else _state.Setting(device_type, policy, emulate, emulate_ops)
     if setting is not None:
         _refuse_export(setting)
