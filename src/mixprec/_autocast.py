@@ -115,15 +115,11 @@ class autocast:  # noqa: N801 - torch's name
     def __enter__(self) -> autocast:
         setting = self._setting
         state = _state._state
-        if (
-            setting is None
-            or state.module_policies
-            or (self._policy is None and _install.current)
-            or _function_mode_enabled()
-        ):
+        inherits = state.module_policies or (self._policy is None and _install.current)  # a policy from outside
+        if setting is None or inherits or _function_mode_enabled():
             if not self._enabled:
                 setting = None
-            elif setting is None or state.module_policies or (self._policy is None and _install.current):
+            elif setting is None or inherits:
                 setting = self._setting_for(state)
             enter(self.device, setting, self.fast_dtype, self._enabled, self._cache_enabled)
             return self
