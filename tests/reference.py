@@ -401,7 +401,7 @@ class Reference:
                 self._register(s.setting)
             s.enabled = region.enabled
             s.dtype = region.dtype or torch.bfloat16
-            s.cache_flag = True if region.cache_enabled is None else region.cache_enabled
+            s.cache_flag = s.cache_flag if region.cache_enabled is None else region.cache_enabled  # as torch
             opened_mixprec = opened_torch = True
         elif region.kind == "torch":
             s.enabled = region.enabled

@@ -6,6 +6,7 @@ Each test runs the same code under ``torch.autocast`` and under ``mixprec.autoca
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -35,13 +36,19 @@ def test_torch_reports_the_region():
     assert not torch.is_autocast_enabled("cpu")
 
 
+@pytest.mark.parametrize("outer", [None, False], ids=["alone", "inside-cache-off"])
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("cache_enabled", [None, False, True])
-def test_torch_reports_the_cache_flag_as_native(grad, cache_enabled):
-    with torch.set_grad_enabled(grad), torch.autocast("cpu", cache_enabled=cache_enabled):
+def test_torch_reports_the_cache_flag_as_native(grad, cache_enabled, outer):
+    def outside():  # None: no region; False: a torch.autocast with the cache off (a nested None keeps it off)
+        return contextlib.nullcontext() if outer is None else torch.autocast("cpu", cache_enabled=outer)
+
+    with outside(), torch.set_grad_enabled(grad), torch.autocast("cpu", cache_enabled=cache_enabled):
         expected = torch.is_autocast_cache_enabled()
-    with torch.set_grad_enabled(grad), mixprec.autocast("cpu", cache_enabled=cache_enabled, compute="native"):
-        assert torch.is_autocast_cache_enabled() is expected
+    with outside(), torch.set_grad_enabled(grad):
+        with mixprec.autocast("cpu", cache_enabled=cache_enabled, compute="native"):
+            assert torch.is_autocast_cache_enabled() is expected
+        assert torch.is_autocast_cache_enabled() is (outer is not False)
 
 
 def test_a_weight_cast_under_no_grad_then_used_with_grad_gives_native_gradients():

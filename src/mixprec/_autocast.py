@@ -42,7 +42,9 @@ class autocast:  # noqa: N801 - torch's name
             (cpu: bfloat16, cuda: float16, xpu: bfloat16, others: float16).
         enabled: Whether autocast is on in the region.
         cache_enabled: Reuse the low-precision copy of each weight within the
-            outermost region (default True).
+            outermost region. None (default): torch's current setting, as
+            ``torch.autocast`` reads it (True unless a region or
+            ``torch.set_autocast_cache_enabled`` turned it off).
         policy: The op table to apply; defaults to the device's policy. Any
             policy works on any device, e.g. ``policies.CUDA`` on CPU tensors.
         compute: How ``lower_precision_fp`` ops compute. ``"native"``: on the
@@ -75,10 +77,11 @@ class autocast:  # noqa: N801 - torch's name
         compiling = _dynamo_compiling()
         if (enabled is True or enabled is False) and (cache_enabled is None or type(cache_enabled) is bool):
             # Keyed by value (True == 1, so only bools reach here); a policy by identity.
+            cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
             key: tuple[Any, ...] = (
-                (device_type, dtype, enabled, cache_enabled, compute)
+                (device_type, dtype, enabled, cache, compute)
                 if policy is None
-                else (device_type, dtype, enabled, cache_enabled, compute, id(policy))
+                else (device_type, dtype, enabled, cache, compute, id(policy))
             )
             try:
                 found = None if compiling else _configured.get(key)
@@ -96,7 +99,7 @@ class autocast:  # noqa: N801 - torch's name
         _check_type("policy", policy, Policy, optional=True)
         self.device = device_type
         self.fast_dtype = spec.default_dtype if dtype is None else dtype
-        self._cache_enabled = True if cache_enabled is None else cache_enabled
+        self._cache_enabled = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
         self._policy = policy
         self._enabled = enabled and _usable(spec, self.fast_dtype)
         self._compute = _compute.check_compute(compute)
