@@ -24,6 +24,7 @@ def _no_autocast_leak():
     # Clean up first, so that one leaking test does not fail all the others.
     _autocast.leave(state, len(state.frames))
     state.active.clear()
+    _state.release(state)
     _cast.thread_cache().clear()
     while torch._C._len_torch_function_stack() > stack_before:
         torch._C._pop_torch_function_stack()
@@ -47,9 +48,9 @@ def fake_cpu_flags(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-
         monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
         _compute._cpu_support.cache_clear()
         _compute._max_isa.cache_clear()
-        _autocast._configured.clear()
+        _autocast._made.clear()
 
     yield set_flags
     _compute._cpu_support.cache_clear()
     _compute._max_isa.cache_clear()
-    _autocast._configured.clear()
+    _autocast._made.clear()

@@ -72,7 +72,8 @@ def test_cuda_float16_is_native_and_unknown_devices_are_taken_as_native() -> Non
 
 def _emulating() -> bool:
     assert torch.is_autocast_enabled("cpu")
-    return _state.get().active["cpu"].emulate
+    setting = _state.get().active.get("cpu")  # none: the default policy, native, as torch.autocast
+    return setting is not None and setting.emulate
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec import _kernels, _tables
+from mixprec import _kernels, _state, _tables
 
 CPU = mixprec.policies.CPU
 MM = torch.ops.aten.mm.default
@@ -25,6 +25,14 @@ def test_the_default_policy_with_native_compute_registers_nothing():
     with mixprec.autocast("cpu", compute="native"), mixprec.autocast("cpu", dtype=torch.float16, compute="native"):
         torch.mm(torch.randn(2, 2), torch.randn(2, 2))
     assert _kernels.registered("cpu") == frozenset()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda", "xpu"])
+def test_each_devices_default_policy_needs_no_kernel(device):
+    # What lets a region of the default policy with native compute skip mixprec's state (autocast.__enter__).
+    setting = _state.setting(device, _tables.default_policy(device), False, frozenset())
+    assert _kernels.needed(setting) == frozenset()
+    assert not _tables.effective(_tables.default_policy(device), device)[1]
 
 
 def test_an_edited_policy_registers_its_changes_only_once_and_silently():

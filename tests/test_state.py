@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mixprec
+from mixprec import _autocast, _kernels, _state
 
 A = torch.randn(4, 4)
 B = torch.randn(4, 4)
@@ -179,3 +180,137 @@ def test_backward_runs_in_forward_dtypes():
     assert w.grad.dtype is torch.float32 and x.grad.dtype is torch.float32
     expected = torch.mm(x.detach().bfloat16().t(), torch.ones(4, 4, dtype=torch.bfloat16)).float()
     assert torch.equal(w.grad, expected)
+
+
+# --- a region torch's kernels serve alone (docs/design.md) -------------------------------------------------
+
+
+@pytest.fixture
+def no_kernels():
+    """No mixprec kernel registered (a region of the default policy with native compute needs none), and
+    regions made afresh."""
+    _kernels.reset()
+    _autocast._made.clear()
+    yield
+    _kernels.reset()
+
+
+def _frames() -> int:
+    return len(_state.get().frames)
+
+
+def _torch_state() -> tuple[bool, torch.dtype, bool]:
+    return torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), torch.is_autocast_cache_enabled()
+
+
+@pytest.mark.usefixtures("no_kernels")
+def test_default_region_without_kernels_sets_torch_state_alone():
+    region = mixprec.autocast("cpu", compute="native")
+    with region:  # the first entry takes a frame: it checks torch's tables
+        assert _frames() == 1
+    with region:
+        assert _frames() == 0 and _state.get().ident not in _state.holders
+        assert _torch_state() == (True, torch.bfloat16, True) and mm_dtype() is torch.bfloat16
+        with region:  # open already: this level keeps its own frame
+            assert _frames() == 1 and mm_dtype() is torch.bfloat16
+            with mixprec.autocast("cpu", dtype=torch.float16, compute="native"):
+                assert _frames() == 2 and mm_dtype() is torch.float16
+            with torch.autocast("cpu", enabled=False):
+                assert mm_dtype() is torch.float32
+        assert _frames() == 0 and mm_dtype() is torch.bfloat16
+    assert _torch_state() == (False, torch.bfloat16, True) and _frames() == 0
+    assert _state.get().ident not in _state.holders
+
+
+@pytest.mark.usefixtures("no_kernels")
+def test_default_region_takes_a_frame_once_mixprec_has_kernels():
+    region = mixprec.autocast("cpu", compute="native")
+    with region:
+        pass
+    _kernels.register("AutocastCPU", "cpu", {torch.ops.aten.mm.default})
+    with region:
+        assert _frames() == 1 and _state.get().active["cpu"].policy is mixprec.policies.CPU
+        assert mm_dtype() is torch.bfloat16
+    assert _frames() == 0 and _state.get().ident not in _state.holders
+
+
+@pytest.mark.usefixtures("no_kernels")
+@pytest.mark.parametrize("region", ["mixprec", "native"])
+def test_exception_in_a_frameless_region_restores_torch_state_as_native(region):
+    def make():
+        return mixprec.autocast("cpu", compute="native") if region == "mixprec" else torch.autocast("cpu")
+
+    with make():
+        pass  # the mixprec region's first entry
+    torch.set_autocast_dtype("cpu", torch.float16)
+    try:
+        with pytest.raises(KeyError), make():
+            torch.set_autocast_dtype("cpu", torch.bfloat16)
+            torch.set_autocast_cache_enabled(False)
+            raise KeyError("x")
+        assert _torch_state() == (False, torch.float16, True)
+    finally:
+        torch.set_autocast_dtype("cpu", torch.bfloat16)
+        torch.set_autocast_cache_enabled(True)
+
+
+def test_same_arguments_give_the_same_region_and_subclasses_their_own():
+    assert mixprec.autocast("cpu", dtype=torch.bfloat16) is mixprec.autocast("cpu", dtype=torch.bfloat16)
+    assert mixprec.autocast("cpu") is not mixprec.autocast("cpu", dtype=torch.float16)
+    assert mixprec.autocast("cpu", enabled=False) is not mixprec.autocast("cpu", enabled=False)
+    assert mixprec.cpu.amp.autocast() is not mixprec.cpu.amp.autocast()
+    assert isinstance(mixprec.cpu.amp.autocast(), mixprec.autocast)
+    policy = mixprec.policies.CPU.with_ops(fp32=["mm"])
+    assert mixprec.autocast("cpu", policy=policy) is mixprec.autocast("cpu", policy=policy)
+    assert mixprec.autocast("cpu", policy=policy) is not mixprec.autocast("cpu")
+
+
+def test_cache_enabled_none_is_torchs_flag_at_the_call():
+    torch.set_autocast_cache_enabled(False)
+    try:
+        region = mixprec.autocast("cpu")
+        assert region is not mixprec.autocast("cpu", cache_enabled=True)
+    finally:
+        torch.set_autocast_cache_enabled(True)
+    with region:
+        assert not torch.is_autocast_cache_enabled()
+    with mixprec.autocast("cpu"):
+        assert torch.is_autocast_cache_enabled()
+
+
+@pytest.mark.usefixtures("no_kernels")
+def test_one_region_shared_by_threads_at_once():
+    region = mixprec.autocast("cpu", compute="native")
+    with region:
+        pass
+    threads, iterations = 4, 300
+    barrier = threading.Barrier(threads)
+    failures: list[str] = []
+
+    def work(index: int) -> None:
+        try:
+            for i in range(iterations):
+                if i % 50 == 0:
+                    barrier.wait()
+                with region:
+                    inside = _torch_state()
+                    if index % 2:
+                        with region, mixprec.autocast("cpu", dtype=torch.float16, compute="native"):
+                            nested = mm_dtype()
+                        if nested is not torch.float16:
+                            failures.append(f"thread {index}: nested {nested}")
+                    if inside != (True, torch.bfloat16, True) or mm_dtype() is not torch.bfloat16:
+                        failures.append(f"thread {index}: inside {inside}")
+                if _torch_state() != (False, torch.bfloat16, True) or _frames():
+                    failures.append(f"thread {index}: after {_torch_state()}, {_frames()} frames")
+        except Exception as error:
+            failures.append(f"thread {index}: {error!r}")
+            barrier.abort()
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert not failures, failures[:5]
+    assert not region._unframed

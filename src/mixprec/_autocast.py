@@ -21,9 +21,55 @@ _get_dtype, _set_dtype = torch.get_autocast_dtype, torch.set_autocast_dtype
 _is_cached, _set_cached = torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled
 _increment_nesting, _decrement_nesting = torch.autocast_increment_nesting, torch.autocast_decrement_nesting
 _clear_cache = torch.clear_autocast_cache
+_holders = _state.holders
 
 
-class autocast:  # noqa: N801 - torch's name
+class _Made(type):
+    """autocast's metaclass: a call with the arguments of an enabled region made before returns that region.
+
+    A region is made and entered on every step, and with the caches cold (after a compiled model's call)
+    making an object costs more than entering it. A region keeps nothing from one entry to the next (its
+    levels live in the thread's state, or for the level that takes none, on ``_unframed``, which a second
+    entry never shares: see ``__enter__``), so one object serves every ``with`` of its arguments, in any
+    thread. ``cache_enabled=None`` is torch's flag at the call, as ``torch.autocast`` reads it. Under
+    torch.compile each call makes a region, as dynamo must see it made. A subclass (``mixprec.cpu.amp``'s,
+    with torch.cpu.amp's arguments, or a user's) gets ``_Subclass`` and makes its objects as any class does.
+    """
+
+    def __new__(mcls, name: str, bases: tuple[type, ...], namespace: dict[str, Any], **kwargs: Any) -> Any:
+        if any(isinstance(base, _Made) for base in bases):
+            mcls = _Subclass
+        return super().__new__(mcls, name, bases, namespace, **kwargs)
+
+    def __call__(
+        cls,
+        device_type: str,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        *,
+        policy: Policy | None = None,
+        compute: str = "auto",
+    ) -> Any:
+        if cls is autocast and enabled is True and not _dynamo_compiling():  # True == 1: only a bool here
+            cache = _is_cached() if cache_enabled is None else cache_enabled
+            if type(cache) is bool:
+                try:
+                    found = _made.get((device_type, dtype, cache, compute, id(policy)))
+                except TypeError:  # an unhashable argument: refused by __init__
+                    found = None
+                if found is not None and found._policy is policy:
+                    return found
+        return super().__call__(device_type, dtype, enabled, cache_enabled, policy=policy, compute=compute)
+
+
+class _Subclass(_Made):
+    """The metaclass of autocast's subclasses: objects made as any class makes them."""
+
+    __call__ = type.__call__
+
+
+class autocast(metaclass=_Made):  # noqa: N801 - torch's name
     """Run a region of code in mixed precision.
 
     Inside the region each torch op runs in the dtype its policy category asks
@@ -75,23 +121,6 @@ class autocast:  # noqa: N801 - torch's name
         compute: str = "auto",
     ) -> None:
         compiling = _dynamo_compiling()
-        if (enabled is True or enabled is False) and (cache_enabled is None or type(cache_enabled) is bool):
-            # Keyed by value (True == 1, so only bools reach here); a policy by identity.
-            cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
-            key: tuple[Any, ...] = (
-                (device_type, dtype, enabled, cache, compute)
-                if policy is None
-                else (device_type, dtype, enabled, cache, compute, id(policy))
-            )
-            try:
-                found = None if compiling else _configured.get(key)
-            except TypeError:  # an unhashable argument: checked below, and refused
-                found = None
-        else:  # a wrong type: checked below, and refused
-            key, found = (), None
-        if found is not None and found["_policy"] is policy:  # checked before: regions are made once per step
-            self.__dict__.update(found)
-            return
         spec = _devices.spec(device_type)
         _check_type("dtype", dtype, torch.dtype, optional=True)
         _check_type("enabled", enabled, bool)
@@ -108,14 +137,36 @@ class autocast:  # noqa: N801 - torch's name
             _compute.emulated_ops(self._compute, device_type, self.fast_dtype) if self._enabled else frozenset()
         )
         self._setting = None  # made here when the arguments are remembered, else on first entry
-        if self._enabled and key and not compiling:  # no warning was given: remember the checked arguments
-            chosen = self._policy if self._policy is not None else _tables.default_policy(device_type)
+        self._plain = False  # from the first entry on, if _native_only (see __enter__)
+        self._native_only = False  # the device's default policy with native compute: no kernel needed
+        self._unframed: dict[int, tuple[bool, torch.dtype, bool]] = {}  # {0: torch's state} while a level is open
+        if self._enabled and not compiling:  # no warning was given
+            default = _tables.default_policy(device_type)
+            chosen = self._policy if self._policy is not None else default
             self._setting = _state.setting(device_type, chosen, self._emulate, self._emulate_ops)
-            if len(_configured) > 256:
-                _configured.clear()
-            _configured[key] = dict(self.__dict__)
+            # The default policy is torch's table for the device (``_tables.effective`` changes nothing).
+            self._native_only = chosen is default and not self._emulate and not self._emulate_ops
+            if type(self) is autocast and enabled is True and type(device_type) is str and type(compute) is str:
+                if len(_made) > 256:
+                    _made.clear()
+                _made[(device_type, dtype, self._cache_enabled, compute, id(policy))] = self
 
     def __enter__(self) -> autocast:
+        if self._plain and not _holders and not _function_mode_enabled():
+            # The default policy with native compute, no mixprec kernel registered and no mixprec level or
+            # setting open in any thread (``_state.holders``): torch's kernels do all the work, so the level is
+            # torch's state alone, set as torch.autocast sets it. What to restore is kept on the region; if the
+            # region is open already (nested, or in another thread), this level takes a frame.
+            device = self.device
+            saved = (_is_enabled(device), _get_dtype(device), _is_cached())
+            if self._unframed.setdefault(0, saved) is saved:  # one atomic claim (regions are shared: _Made)
+                _set_enabled(device, True)
+                if saved[1] is not self.fast_dtype:  # (torch's default dtype is often the region's)
+                    _set_dtype(device, self.fast_dtype)
+                _increment_nesting()
+                if saved[2] is not self._cache_enabled:
+                    _set_cached(self._cache_enabled)
+                return self
         setting = self._setting
         state = _state._state
         inherits = state.module_policies or (self._policy is None and _install.current)  # a policy from outside
@@ -131,11 +182,14 @@ class autocast:  # noqa: N801 - torch's name
         # decorator's copy made under compile holds none). ``enter``'s eager path written out: a region is
         # entered on every step, and its cost shows against a small compiled model.
         if setting.ready is not _kernels.generation:
-            _kernels.ensure(setting)
+            _kernels.ensure(setting)  # on first use, this checks torch's tables too (_tables.check_native)
+        if self._native_only:
+            self._plain = True
         device = self.device
         active = state.active
         state.frames.append((device, True, active.get(device), (_is_enabled(device), _get_dtype(device), _is_cached())))
         active[device] = setting
+        _holders.add(state.ident)
         _set_enabled(device, True)
         _set_dtype(device, self.fast_dtype)
         _increment_nesting()
@@ -143,6 +197,16 @@ class autocast:  # noqa: N801 - torch's name
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        if self._plain and (not _holders or not _state._state.frames):  # this level took no frame (__enter__)
+            saved = self._unframed.pop(0, None)
+            if saved is not None:
+                device = self.device
+                if _decrement_nesting() == 0:
+                    _clear_cache()
+                _set_enabled(device, saved[0])
+                _set_dtype(device, saved[1])
+                _set_cached(saved[2])
+                return
         state = _state._state
         frames = state.frames
         if frames and type(frames[-1][3]) is tuple:  # entered on the eager path: ``leave`` written out
@@ -157,8 +221,10 @@ class autocast:  # noqa: N801 - torch's name
                     del state.active[device]
                 else:
                     state.active[device] = previous
-            if not frames and state.cache:
-                state.cache.clear()
+            if not frames:
+                if state.cache:
+                    state.cache.clear()
+                _state.release(state)
             return
         if not frames:
             raise RuntimeError(
@@ -211,6 +277,9 @@ class autocast:  # noqa: N801 - torch's name
         region._emulate_ops = self._emulate_ops
         region._compute = self._compute
         region._setting = None if _dynamo_compiling() else self._setting  # see __enter__
+        region._native_only = self._native_only and region._setting is not None
+        region._plain = self._plain and region._native_only
+        region._unframed = {}
         return region
 
     def __repr__(self) -> str:
@@ -222,13 +291,11 @@ class autocast:  # noqa: N801 - torch's name
         )
 
 
-#: autocast's arguments -> the attributes __init__ derived from them (``_policy`` is checked by identity).
-_configured: dict[tuple[Any, ...], dict[str, Any]] = {}
+#: ``(device_type, dtype, cache_enabled, compute, id(policy))`` -> the enabled region made for them.
+_made: dict[tuple[Any, ...], autocast] = {}
 
 
-def enter(
-    device: str, setting: _state.Setting | None, dtype: torch.dtype, enabled: bool, cache_enabled: bool
-) -> None:
+def enter(device: str, setting: _state.Setting | None, dtype: torch.dtype, enabled: bool, cache_enabled: bool) -> None:
     """Open one nesting level: torch's autocast state for ``device``, and mixprec's setting beside it.
 
     ``setting=None`` keeps the thread's current mixprec setting (a level that only turns autocast off).
@@ -249,6 +316,7 @@ def enter(
     torch.autocast_increment_nesting()
     torch.set_autocast_cache_enabled(cache_enabled)
     state.frames.append((device, setting is not None, previous, saved))
+    _state.hold(state)
 
 
 def _enter_traced(
@@ -280,6 +348,8 @@ def _enter_traced(
             _pop(state, device, previous, compiling)
         raise
     state.frames.append((device, setting is not None, previous, entered))
+    if not compiling:  # under compile, ``token`` marks the thread, eagerly
+        _state.hold(state)
 
 
 def leave(state: _state.ThreadState, levels: int) -> None:
@@ -308,6 +378,8 @@ def leave(state: _state.ThreadState, levels: int) -> None:
         cache = _cast.thread_cache()
         if cache:
             cache.clear()
+        if not _dynamo_compiling():
+            _state.release(state)
 
 
 def _push(state: _state.ThreadState, device: str, setting: _state.Setting, compiling: bool) -> None:

@@ -57,6 +57,7 @@ def token(device_type: str, policy: Policy | None, emulate: bool, emulate_ops: f
     torch._dynamo.allow_in_graph(push)
     _guard.guard_trace()
     _restore_after_trace(device_type)
+    _state.hold(_state.get())  # the trace sets settings in this thread (``push``)
     key = hash((device_type, id(policy), emulate, emulate_ops))
     with _lock:
         _tokens[key] = (device_type, setting)
@@ -127,6 +128,8 @@ def _restore_after_trace(device_type: str) -> None:
     def restore() -> None:
         active.clear()
         active.update(saved)
+        if saved:
+            _state.hold(_state.get())
         torch.set_autocast_dtype(device_type, dtype)
 
     output.add_cleanup_hook(restore)
@@ -135,9 +138,9 @@ def _restore_after_trace(device_type: str) -> None:
 def push(key: int) -> None:
     """Make the setting behind ``key`` this thread's setting for its device (None: no setting)."""
     device_type, setting = _tokens[key]
-    active = _state.get().active
+    state = _state.get()
     if setting is None:
-        active.pop(device_type, None)
+        state.active.pop(device_type, None)
     else:
-        active[device_type] = setting
-
+        state.active[device_type] = setting
+        _state.hold(state)

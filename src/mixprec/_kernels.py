@@ -106,6 +106,8 @@ def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
                 library.impl(name, _kernel(op, device_type, key), key, with_keyset=True)
             done.add(op)
             grew = True
+        if grew:
+            _state.holders.add(_state.KERNELS)  # regions of the default policy must set their setting now
     if grew and "torch._dynamo" in sys.modules and not torch.compiler.is_compiling():
         # Graphs compiled before saw no kernel for these ops and carry no guard on mixprec's settings.
         torch._dynamo.reset()
@@ -121,6 +123,7 @@ def reset() -> None:
         _libraries.clear()
         _registered.clear()
         _ensured.clear()
+        _state.holders.discard(_state.KERNELS)
 
 
 _compiled: dict[tuple[str, int, bool, frozenset[str], bool], tuple[Policy, dict[Op, Entry]]] = {}

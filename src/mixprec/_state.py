@@ -6,6 +6,12 @@ the policy and the compute choice, lives here: for each device, the innermost
 mixprec ``Setting`` of this thread. The kernels at the Autocast keys read it;
 a thread with no setting for a device (a plain ``torch.autocast`` region) gets
 the device's native behaviour.
+
+``holders`` says, without touching any thread's state, whether mixprec holds
+anything: while no mixprec kernel is registered, torch's kernels do all the
+work, and a region of the device's default policy with native compute that
+opens in a thread with no mixprec levels sets torch's state only, exactly as
+``torch.autocast`` does (``autocast.__enter__``).
 """
 
 from __future__ import annotations
@@ -55,8 +61,16 @@ def setting(device_type: str, policy: Policy, emulate: bool, emulate_ops: frozen
 Frame = tuple[str, bool, "Setting | None", Any]
 
 
+#: What a region of the default policy must not bypass: the ident of each thread with open levels or
+#: settings (a thread is released when it has neither), and ``KERNELS`` while mixprec has kernels registered
+#: (``_kernels``: they read the settings).
+holders: set[object] = set()
+KERNELS = "mixprec kernels at the Autocast keys"
+
+
 class ThreadState(threading.local):
     def __init__(self) -> None:
+        self.ident = threading.get_ident()  # this thread's entry in ``holders``
         self.active: dict[str, Setting] = {}  # device type -> innermost mixprec setting
         self.frames: list[Frame] = []
         self.module_policies: list[Policy] = []  # set_module_policy: innermost last
@@ -68,6 +82,17 @@ class ThreadState(threading.local):
 
 
 _state = ThreadState()
+
+
+def hold(state: ThreadState) -> None:
+    """``state``'s thread holds mixprec state (it opened a level or set a setting)."""
+    holders.add(state.ident)
+
+
+def release(state: ThreadState) -> None:
+    """Take ``state``'s thread out of ``holders`` if it holds nothing any more."""
+    if not state.frames and not state.active:
+        holders.discard(state.ident)
 
 
 def get() -> ThreadState:
