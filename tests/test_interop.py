@@ -1,7 +1,9 @@
 """A mixprec region is torch's autocast state: code written for torch.autocast works inside it, bit for bit.
 
 Each test runs the same code under ``torch.autocast`` and under ``mixprec.autocast``
-(default policy, ``compute="native"``) and compares outputs and gradients exactly.
+(default policy, ``compute="native"``) and compares outputs and gradients exactly, twice:
+with a default region as torch's state alone (no mixprec kernel registered), and with its
+frame, as when mixprec has kernels (docs/design.md, "A region torch's kernels serve alone").
 """
 
 from __future__ import annotations
@@ -14,9 +16,22 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
+from mixprec import _autocast, _kernels, _state
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 MM_FP32 = mixprec.policies.CPU.with_ops(fp32=["linear"], promote=["gelu"])
+
+
+@pytest.fixture(autouse=True, params=["torch-state-alone", "framed"])
+def region_path(request):
+    _kernels.reset()
+    _autocast._made.clear()
+    _kernels.ensure(_state.setting("cpu", mixprec.policies.CPU, False, frozenset()))  # torch's tables checked
+    if request.param == "framed":
+        _state.holders.add(_state.KERNELS)
+    yield request.param
+    _state.holders.discard(_state.KERNELS)
+    _kernels.reset()
 
 
 def _native():
@@ -27,8 +42,9 @@ def _ours():
     return mixprec.autocast("cpu", dtype=BF16, compute="native")
 
 
-def test_torch_reports_the_region():
+def test_torch_reports_the_region(region_path):
     with _ours():
+        assert len(_state.get().frames) == (region_path == "framed")
         assert torch.is_autocast_enabled("cpu") and torch.is_autocast_cpu_enabled()
         assert torch.get_autocast_dtype("cpu") is BF16
     with mixprec.autocast("cpu", dtype=F16, compute="native"):

@@ -206,8 +206,9 @@ def _torch_state() -> tuple[bool, torch.dtype, bool]:
 @pytest.mark.usefixtures("no_kernels")
 def test_default_region_without_kernels_sets_torch_state_alone():
     region = mixprec.autocast("cpu", compute="native")
-    with region:  # the first entry takes a frame: it checks torch's tables
+    with region:  # the first entry of the setting takes a frame: it checks torch's tables
         assert _frames() == 1
+    assert mixprec.autocast("cpu", dtype=torch.float16, compute="native")._plain  # checked: no frame from the start
     with region:
         assert _frames() == 0 and _state.get().ident not in _state.holders
         assert _torch_state() == (True, torch.bfloat16, True) and mm_dtype() is torch.bfloat16
@@ -314,3 +315,21 @@ def test_one_region_shared_by_threads_at_once():
         worker.join()
     assert not failures, failures[:5]
     assert not region._unframed
+
+
+@pytest.mark.usefixtures("no_kernels")
+def test_a_module_policy_keeps_regions_opened_inside_it_framed():
+    # No region around the module: its hook opens no level, but a region opened in its forward takes its policy.
+    _kernels.ensure(_state.setting("cpu", mixprec.policies.CPU, False, frozenset()))  # tables checked already
+
+    class Opens(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.dtype:
+            with mixprec.autocast("cpu", compute="native"):
+                return torch.mm(x, x).dtype
+
+    module = Opens()
+    assert mixprec.autocast("cpu", compute="native")._plain
+    with mixprec.set_module_policy(module, mixprec.policies.CPU.with_ops(fp32="mm")):
+        assert module(A) is torch.float32
+    assert module(A) is torch.bfloat16
+    assert _state.get().ident not in _state.holders

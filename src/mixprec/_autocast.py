@@ -137,7 +137,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             _compute.emulated_ops(self._compute, device_type, self.fast_dtype) if self._enabled else frozenset()
         )
         self._setting = None  # made here when the arguments are remembered, else on first entry
-        self._plain = False  # from the first entry on, if _native_only (see __enter__)
+        self._plain = False  # _native_only, once torch's tables were checked (see __enter__)
         self._native_only = False  # the device's default policy with native compute: no kernel needed
         self._unframed: dict[int, tuple[bool, torch.dtype, bool]] = {}  # {0: torch's state} while a level is open
         if self._enabled and not compiling:  # no warning was given
@@ -146,6 +146,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             self._setting = _state.setting(device_type, chosen, self._emulate, self._emulate_ops)
             # The default policy is torch's table for the device (``_tables.effective`` changes nothing).
             self._native_only = chosen is default and not self._emulate and not self._emulate_ops
+            self._plain = self._native_only and self._setting.ready is _kernels.generation
             if type(self) is autocast and enabled is True and type(device_type) is str and type(compute) is str:
                 if len(_made) > 256:
                     _made.clear()

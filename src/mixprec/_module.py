@@ -156,7 +156,8 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
                 _autocast.leave(state, entered)
                 raise
         if isinstance(policy, Policy):
-            state.module_policies.append(policy)
+            state.module_policies.append(policy)  # regions opened inside take it (autocast.__enter__)
+            _state.hold(state)
         _frames.stack.append((token, len(devices), isinstance(policy, Policy)))
         return args, kwargs
 
@@ -169,6 +170,7 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
         _autocast.leave(state, levels)
         if pushed:
             state.module_policies.pop()
+            _state.release(state)
 
     hooks = (
         module.register_forward_pre_hook(pre_hook, with_kwargs=True),

@@ -61,9 +61,9 @@ def setting(device_type: str, policy: Policy, emulate: bool, emulate_ops: frozen
 Frame = tuple[str, bool, "Setting | None", Any]
 
 
-#: What a region of the default policy must not bypass: the ident of each thread with open levels or
-#: settings (a thread is released when it has neither), and ``KERNELS`` while mixprec has kernels registered
-#: (``_kernels``: they read the settings).
+#: What a region of the default policy must not bypass: the ident of each thread with open levels, settings
+#: or module policies (a thread is released when it has none), and ``KERNELS`` while mixprec has kernels
+#: registered (``_kernels``: they read the settings).
 holders: set[object] = set()
 KERNELS = "mixprec kernels at the Autocast keys"
 
@@ -85,13 +85,13 @@ _state = ThreadState()
 
 
 def hold(state: ThreadState) -> None:
-    """``state``'s thread holds mixprec state (it opened a level or set a setting)."""
+    """``state``'s thread holds mixprec state (it opened a level, set a setting or entered a module policy)."""
     holders.add(state.ident)
 
 
 def release(state: ThreadState) -> None:
     """Take ``state``'s thread out of ``holders`` if it holds nothing any more."""
-    if not state.frames and not state.active:
+    if not state.frames and not state.active and not state.module_policies:
         holders.discard(state.ident)
 
 
