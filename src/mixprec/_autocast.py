@@ -41,7 +41,7 @@ class _Made(type):
             mcls = _Subclass
         return super().__new__(mcls, name, bases, namespace, **kwargs)
 
-    def __call__(
+    def __call__(  # autocast's own parameters, repeated: bound directly, a call costs least
         cls,
         device_type: str,
         dtype: torch.dtype | None = None,
@@ -51,7 +51,7 @@ class _Made(type):
         policy: Policy | None = None,
         compute: str = "auto",
     ) -> Any:
-        if cls is autocast and enabled is True and not _dynamo_compiling():  # True == 1: only a bool here
+        if enabled is True and not _dynamo_compiling():  # (True == 1: only a bool passes ``is True``)
             cache = _is_cached() if cache_enabled is None else cache_enabled
             if type(cache) is bool:
                 try:
@@ -147,7 +147,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             # The default policy is torch's table for the device (``_tables.effective`` changes nothing).
             self._native_only = chosen is default and not self._emulate and not self._emulate_ops
             self._plain = self._native_only and self._setting.ready is _kernels.generation
-            if type(self) is autocast and enabled is True and type(device_type) is str and type(compute) is str:
+            if type(self) is autocast:  # (a subclass makes its own: _Subclass)
                 if len(_made) > 256:
                     _made.clear()
                 _made[(device_type, dtype, self._cache_enabled, compute, id(policy))] = self
@@ -296,7 +296,9 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
 _made: dict[tuple[Any, ...], autocast] = {}
 
 
-def enter(device: str, setting: _state.Setting | None, dtype: torch.dtype, enabled: bool, cache_enabled: bool) -> None:
+def enter(
+    device: str, setting: _state.Setting | None, dtype: torch.dtype, enabled: bool, cache_enabled: bool
+) -> None:
     """Open one nesting level: torch's autocast state for ``device``, and mixprec's setting beside it.
 
     ``setting=None`` keeps the thread's current mixprec setting (a level that only turns autocast off).
