@@ -260,6 +260,48 @@ def test_two_checkpoints_under_two_policies_in_one_backward(reentrant):
     _assert_equal(plain, run(True))
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("inner_first", [True, False], ids=["inner-region-first", "outer-op-first"])
+@pytest.mark.parametrize(
+    "outer",
+    [
+        functools.partial(mixprec.autocast, "cpu", policy=MM_FP32, compute="native"),
+        functools.partial(mixprec.autocast, "cpu", compute="emulated"),
+    ],
+    ids=["outer-policy", "outer-emulated"],
+)
+def test_a_region_opened_inside_a_checkpoint_recomputes_the_code_around_it_with_the_outer_setting(
+    outer, inner_first, reentrant
+):
+    # The first kernel call in the checkpointed function runs inside a region it opens: the record must still
+    # be the setting around that region, which the ops outside it recompute under.
+    model = _block()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(2), requires_grad=True)
+
+    def body(x):
+        def inner():
+            with mixprec.autocast("cpu", dtype=F16, policy=mixprec.policies.CPU, compute="native"):
+                return model(x)
+
+        if inner_first:
+            b = inner()
+            a = model(x)
+        else:
+            a = model(x)
+            b = inner()
+        return a.float() * 1.5 + b.float()
+
+    def run(use_checkpoint):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with outer():
+            out = checkpoint(body, x, use_reentrant=reentrant) if use_checkpoint else body(x)
+        out.sum().backward()
+        return [out.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+    _assert_equal(run(False), run(True))
+
+
 # --- another torch version: the default table against torch's Autocast kernels ----------------------------
 
 

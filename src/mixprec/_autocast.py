@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from mixprec import _cast, _compile, _compute, _devices, _errors, _install, _kernels, _state, _tables
+from mixprec import _cast, _compile, _compute, _devices, _errors, _install, _kernels, _recompute, _state, _tables
 from mixprec.policies import Policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -22,6 +22,7 @@ _is_cached, _set_cached = torch.is_autocast_cache_enabled, torch.set_autocast_ca
 _increment_nesting, _decrement_nesting = torch.autocast_increment_nesting, torch.autocast_decrement_nesting
 _clear_cache = torch.clear_autocast_cache
 _holders = _state.holders
+_in_forward = _recompute.in_forward
 
 
 class _Made(type):
@@ -188,7 +189,10 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             self._plain = True
         device = self.device
         active = state.active
-        state.frames.append((device, True, active.get(device), (_is_enabled(device), _get_dtype(device), _is_cached())))
+        previous = active.get(device)
+        if _in_forward():  # perhaps in a checkpoint, whose recompute needs the setting around this region
+            _recompute.record_around(device, previous or _install.setting(device))
+        state.frames.append((device, True, previous, (_is_enabled(device), _get_dtype(device), _is_cached())))
         active[device] = setting
         _holders.add(state.ident)
         _set_enabled(device, True)
@@ -312,6 +316,7 @@ def enter(
     if setting is not None:
         _kernels.ensure(setting)
         previous = state.active.get(device)
+        _recompute.record_around(device, previous or _install.setting(device))
         state.active[device] = setting
     saved = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
     torch.set_autocast_enabled(device, enabled)

@@ -178,10 +178,8 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
     exclude = torch._C.DispatchKeySet(dispatch_key)
     after = torch._C._dispatch_keyset_full_after(dispatch_key)
     get_dtype = torch.get_autocast_dtype
-    task_id = torch._C._current_graph_task_id
     is_compiling = torch.compiler.is_compiling
-    grad_enabled = torch.is_grad_enabled
-    saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+    in_checkpointed_forward = _recompute.in_forward
     state = _state.get()
     # Positions of Tensor parameters after the first: a Python number there reached the kernel as torch
     # unboxes a wrapped number (``x + 1``), and ``redispatch`` refuses it for a Tensor parameter.
@@ -206,10 +204,6 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
         if in_checkpointed_forward():
             _recompute.record(setting)
         return _call(setting.__dict__.get("entries") or entries(setting), keyset, args, kwargs)
-
-    def in_checkpointed_forward() -> bool:
-        """Forward, and possibly inside a checkpoint: saved-tensor hooks, or no_grad for the reentrant one."""
-        return task_id() < 0 and (not grad_enabled() or saved_tensors_hooks(False) is not None)
 
     def _call(table: dict[Op, Entry], keyset: Any, args: Any, kwargs: Any) -> Any:
         entry = table.get(op)

@@ -6,19 +6,23 @@ dtype and cache flag it captured. Torch has no slot for the policy and the
 compute, so mixprec's kernels leave them on the checkpoint's own record of the
 forward, and read them back during the recompute::
 
-    forward, in a kernel running under a setting:
+    forward, in a kernel running under a setting, or as a region opens (the setting around it):
         non-reentrant (grad on):  the _CheckpointFrame behind the innermost saved-tensor hooks
         reentrant (grad off):     the ctx of the enclosing CheckpointFunction.forward
-        -> record[device] = setting          (once per checkpoint call)
+        -> record[device] = setting          (once per checkpoint call: the first one)
     recompute, in a kernel with no setting of its own (backward, graph task >= 0):
         non-reentrant: the frame behind the recomputation hooks;  reentrant: CheckpointFunction.backward's ctx
         -> record[device]; if none was left, the installed setting or torch's native behaviour
 
-Only kernels record, which is enough: an op with no mixprec kernel runs the same
-in forward and in recompute, and if no kernel ran in a checkpointed forward,
-none runs in its recompute either. Module policies record nothing: their hooks
-run again during recompute and set their setting themselves. These are
-torch.utils.checkpoint's private structures; tests/test_interop.py pins them.
+The record is the setting of the code around the regions opened inside the
+checkpointed function: a recompute re-enters those, and they set their own. So a
+region opening in a checkpointed forward records the setting in force around it
+before a kernel inside it can record the region's own. Otherwise kernels record,
+which is enough: an op with no mixprec kernel runs the same in forward and in
+recompute, and if no kernel ran in a checkpointed forward, none runs in its
+recompute either. A kernel records no module policy's setting: its hook runs
+again during recompute and sets it. These are torch.utils.checkpoint's private
+structures; tests/test_interop.py pins them.
 """
 
 from __future__ import annotations
@@ -92,6 +96,23 @@ def record(setting: _state.Setting) -> None:
     if setting.from_module:
         return
     _leave(setting.device_type, setting)
+
+
+_task_id = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled
+
+
+def in_forward() -> bool:
+    """Forward, and possibly inside a checkpoint: saved-tensor hooks, or no_grad for the reentrant one."""
+    return _task_id() < 0 and (not _grad_enabled() or _top_hooks(False) is not None)
+
+
+def record_around(device_type: str, around: _state.Setting | None) -> None:
+    """As a region opens in forward, inside a checkpoint: leave the setting the code around it runs under
+    (``around``; None: torch's native behaviour). Module policies' too: a module around the checkpoint
+    call runs no hook in the recompute."""
+    if in_forward():
+        _leave(device_type, NATIVE if around is None else around)
 
 
 def record_native(device_type: str) -> None:
