@@ -22,7 +22,6 @@ _is_cached, _set_cached = torch.is_autocast_cache_enabled, torch.set_autocast_ca
 _increment_nesting, _decrement_nesting = torch.autocast_increment_nesting, torch.autocast_decrement_nesting
 _clear_cache = torch.clear_autocast_cache
 _holders = _state.holders
-_in_forward = _recompute.in_forward
 
 
 class _Made(type):
@@ -190,8 +189,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         device = self.device
         active = state.active
         previous = active.get(device)
-        if _in_forward():  # perhaps in a checkpoint, whose recompute needs the setting around this region
-            _recompute.record_around(device, previous or _install.setting(device))
+        _recompute.record_around(device, previous)  # a checkpoint's recompute needs the setting around it
         state.frames.append((device, True, previous, (_is_enabled(device), _get_dtype(device), _is_cached())))
         active[device] = setting
         _holders.add(state.ident)
@@ -316,7 +314,7 @@ def enter(
     if setting is not None:
         _kernels.ensure(setting)
         previous = state.active.get(device)
-        _recompute.record_around(device, previous or _install.setting(device))
+        _recompute.record_around(device, previous)
         state.active[device] = setting
     saved = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
     torch.set_autocast_enabled(device, enabled)

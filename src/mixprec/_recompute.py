@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _state
+from mixprec import _install, _state
 
 _ATTRIBUTE = "_mixprec_settings"
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -107,12 +107,14 @@ def in_forward() -> bool:
     return _task_id() < 0 and (not _grad_enabled() or _top_hooks(False) is not None)
 
 
-def record_around(device_type: str, around: _state.Setting | None) -> None:
+def record_around(device_type: str, previous: _state.Setting | None) -> None:
     """As a region opens in forward, inside a checkpoint: leave the setting the code around it runs under
-    (``around``; None: torch's native behaviour). Module policies' too: a module around the checkpoint
-    call runs no hook in the recompute."""
-    if in_forward():
-        _leave(device_type, NATIVE if around is None else around)
+    (the thread's ``previous`` one, else the installed one, else torch's native behaviour). Module policies'
+    too: a module around the checkpoint call runs no hook in the recompute."""
+    if not in_forward():
+        return
+    around = previous or _install.setting(device_type)
+    _leave(device_type, NATIVE if around is None else around)
 
 
 def record_native(device_type: str) -> None:
