@@ -6,7 +6,8 @@ and its result has the dtype native autocast gives. In between::
 
     forward:   x32 = x_low.float()                  # exact
                y32 = op(x32, ...)                   # float32 kernels
-               return y32.to(low)                   # one rounding per output
+               return y32.to(out)                   # one rounding per output, to the dtype native gives
+                                                    # it: an explicit dtype= argument's, else low
     saved:     the low-precision inputs x_low       # activation memory as native; a weight
                                                     # (nn.Parameter cast by autocast) is saved as
                                                     # the parameter itself and re-rounded in backward
@@ -98,6 +99,20 @@ def down(t: Any, low: torch.dtype) -> Any:
     return t.to(low) if isinstance(t, _Tensor) and t.dtype is torch.float32 else t
 
 
+def target(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], low: torch.dtype) -> torch.dtype:
+    """The dtype native autocast gives the op's floating outputs: that of an explicit ``dtype`` or ``out_dtype``
+    argument (``softmax(x, -1, dtype=torch.float32)``), else the autocast dtype."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return low
+    for i, argument in enumerate(schema.arguments):
+        if argument.name in ("dtype", "out_dtype"):
+            value = kwargs.get(argument.name, args[i] if i < len(args) else None)
+            if isinstance(value, torch.dtype):
+                return value
+    return low
+
+
 def _all_low(tensors: Iterator[Any], low: torch.dtype) -> bool:
     seen = False
     for t in tensors:
@@ -171,23 +186,23 @@ class _Recompute(torch.autograd.Function):
     """Any other op: saves the low-precision inputs, recomputes in float32 for backward."""
 
     @staticmethod
-    def forward(ctx: Any, call: _Call, low: torch.dtype, sources: Any, *tensors: Any) -> Any:
+    def forward(ctx: Any, call: _Call, low: torch.dtype, out: torch.dtype, sources: Any, *tensors: Any) -> Any:
         ctx.call, ctx.low = call, low
         ctx.rng = torch.get_rng_state()
         ctx.devices, ctx.device_rng = get_device_states(*tensors)
         ctx.save_for_backward(*_saved(tensors, sources, [True] * len(tensors)))
-        out = call(*(up(t, low) for t in tensors))
+        found = call(*(up(t, low) for t in tensors))
         # Where the tensors are among the outputs: a recompute with grad on may return more of them
         # (mkldnn_rnn_layer's workspace is undefined without grad).
-        ctx.positions = [i for i, t in enumerate(out) if isinstance(t, _Tensor)]
-        outs = tuple(down(out[i], low) for i in ctx.positions)
+        ctx.positions = [i for i, t in enumerate(found) if isinstance(t, _Tensor)]
+        outs = tuple(down(found[i], out) for i in ctx.positions)
         ctx.mark_non_differentiable(*(t for t in outs if not t.is_floating_point()))
         return outs
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         low, saved = ctx.low, ctx.saved_tensors
-        needs = ctx.needs_input_grad[3:]
+        needs = ctx.needs_input_grad[4:]
         inputs = [
             _emulate_kernels.r32(t, low).detach().requires_grad_(need) if _is_low(t, low) else t
             for t, need in zip(saved, needs, strict=True)
@@ -210,7 +225,7 @@ class _Recompute(torch.autograd.Function):
             if pairs and wanted
             else [None] * len(wanted)
         )
-        return (None, None, None, *(down(next(found), low) if need else None for need in needs))
+        return (None, None, None, None, *(down(next(found), low) if need else None for need in needs))
 
 
 def _sources(tensors: Sequence[Any], originals: Sequence[Any]) -> tuple[Any, ...]:
@@ -236,14 +251,15 @@ def _generic(low: torch.dtype, func: Callable[..., Any], cast: tuple[Any, Any], 
     where = [i for i, v in enumerate(leaves) if isinstance(v, _Tensor)]
     call = _Call(func, leaves, where, spec)
     tensors = [leaves[i] for i in where]
+    out = target(func, *cast, low)
     if _needs_graph(tensors):
         originals = pytree.tree_leaves(original)
         sources = (
             _sources(tensors, [originals[i] for i in where]) if len(originals) == len(leaves) else (None,) * len(where)
         )
-        return call.rebuild(_Recompute.apply(call, low, sources, *tensors))
-    out = call(*(up(t, low) for t in tensors))
-    return call.rebuild([down(t, low) for t in out if isinstance(t, _Tensor)])
+        return call.rebuild(_Recompute.apply(call, low, out, sources, *tensors))
+    found = call(*(up(t, low) for t in tensors))
+    return call.rebuild([down(t, out) for t in found if isinstance(t, _Tensor)])
 
 
 def call(
@@ -287,5 +303,6 @@ def _traced(low: torch.dtype, func: Callable[..., Any], args: tuple[Any, ...], k
     leaves = pytree.tree_leaves((args, kwargs))
     if not _all_low(iter(leaves), low):
         return func(*args, **kwargs)
+    out = target(func, args, kwargs, low)
     args, kwargs = pytree.tree_map(lambda v: up(v, low), (args, kwargs))
-    return pytree.tree_map(lambda v: down(v, low), func(*args, **kwargs))
+    return pytree.tree_map(lambda v: down(v, out), func(*args, **kwargs))
