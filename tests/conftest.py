@@ -26,6 +26,8 @@ def _no_autocast_leak():
     state.active.clear()
     _state.release(state)
     _cast.thread_cache().clear()
+    mirror = dict(_cast._torch_cache)
+    _cast._torch_cache.clear()
     while torch._C._len_torch_function_stack() > stack_before:
         torch._C._pop_torch_function_stack()
     torch.set_autocast_enabled("cpu", False)
@@ -34,6 +36,7 @@ def _no_autocast_leak():
     assert stack_after == stack_before, "test leaked a torch function mode"
     assert not native_on, "test leaked native CPU autocast"
     assert dtype_after is torch.bfloat16, f"test leaked the CPU autocast dtype {dtype_after}"
+    assert not mirror, "test left casts in mixprec's mirror of torch's cast cache (a torch region never closed)"
 
 
 @pytest.fixture

@@ -51,8 +51,9 @@ Eligible tensor: floating, on the device, not float64. The categories:
 - ``lower_precision_fp``: eligible tensors not in the autocast dtype are cast
   to it; under emulated compute, when all floating inputs are then in the
   autocast dtype, the op runs on their float32 upcast and each float32 output
-  is rounded to the autocast dtype (backward: the incoming gradient upcast,
-  float32 backward, the gradient rounded).
+  is rounded to the autocast dtype, or to an explicit ``dtype``/``out_dtype``
+  argument's (backward: the incoming gradient upcast, float32 backward, the
+  gradient rounded).
 - ``fp32``: eligible tensors cast to float32.
 - ``fp32_set_opt_dtype``: if the first argument is eligible and the overload
   has a ``dtype`` argument left None, it gets ``dtype=float32``.
@@ -65,13 +66,15 @@ Eligible tensor: floating, on the device, not float64. The categories:
 The cast cache: a ``lower_precision_fp`` cast of a float32 leaf that
 requires grad (not a view) is made once and reused while the cache lives
 (torch's cache is keyed by the weight alone, mixprec's by weight and dtype).
-There are two caches, as documented in ``docs/design.md``: an op with a
+There are three caches, as documented in ``docs/design.md``: an op with a
 mixprec kernel (one registered for some setting the program entered) uses
-mixprec's, which is on while a mixprec level is open (a mixprec region or a
-module-policy level), the cache flag is on and grad is enabled, and is dropped
-when the last mixprec level closes. Any other op uses torch's, which is on with
-the cache flag, also under ``no_grad`` (its copies carry autograd history even
-there), and is dropped when torch's nesting returns to 0.
+mixprec's while a mixprec level is open (a mixprec region or a module-policy
+level), if the cache flag is on and grad is enabled; it is dropped when the last
+mixprec level closes. Outside mixprec levels, such an op uses mixprec's mirror of
+torch's cache. Any other op uses torch's own. Torch's cache and the mirror follow
+torch's rule: on with the cache flag, also under ``no_grad`` (their copies carry
+autograd history even there), keyed by the weight alone, and dropped when
+torch's nesting returns to 0.
 """
 
 from __future__ import annotations
@@ -341,6 +344,7 @@ class _State:
     torch_nesting: int = 0
     mixprec_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
     torch_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
+    mirror_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)  # mixprec's of torch's
     kernels: set[Any] = dataclasses.field(default_factory=set)  # overloads with a mixprec kernel
 
 
@@ -438,6 +442,7 @@ class Reference:
                 s.mixprec_cache.clear()
             if opened_torch and s.torch_nesting == 0:
                 s.torch_cache.clear()
+                s.mirror_cache.clear()
 
     @staticmethod
     def _eligible(t: Any) -> bool:
@@ -577,9 +582,10 @@ class Reference:
 
     def _cache_for(self, op: Any) -> dict[Any, torch.Tensor] | None:
         s = self.state
+        if op in s.kernels and s.mixprec_levels > 0:
+            return s.mixprec_cache if s.cache_flag and torch.is_grad_enabled() else None
         if op in s.kernels:
-            on = s.mixprec_levels > 0 and s.cache_flag and torch.is_grad_enabled()
-            return s.mixprec_cache if on else None
+            return s.mirror_cache if s.cache_flag else None
         return s.torch_cache if s.cache_flag else None
 
     def _cast(self, t: torch.Tensor, to: torch.dtype, weights: dict[Any, torch.Tensor] | None) -> torch.Tensor:
@@ -631,9 +637,13 @@ class Reference:
                 return type(value)(up(v) for v in value)
             return value
 
+        bound = self._by_name(op, args, kwargs)  # an explicit dtype= argument is the output's dtype natively
+        explicit = [bound.get(name) for name in ("dtype", "out_dtype") if isinstance(bound.get(name), torch.dtype)]
+        out = explicit[0] if explicit else low
+
         def down(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
-                return value.to(low) if value.dtype == torch.float32 else value
+                return value.to(out) if value.dtype == torch.float32 else value
             if isinstance(value, (list, tuple)):
                 return type(value)(down(v) for v in value)
             return value

@@ -40,7 +40,7 @@ import mixprec.diagnostics
 import mixprec.graph
 from _cli import PLANTED
 from _cli import run as run_cli
-from mixprec import _cast, _devices, _install, _kernels, _module, _state
+from mixprec import _cast, _devices, _install, _kernels, _state
 from mixprec.cli._app import app
 from mixprec.diagnostics import Diagnosis, Run
 from mixprec.integrations.lightning import MixprecPrecision
@@ -444,7 +444,7 @@ MODULE_ROWS = [
     row("set-module-policy-pre-hook-error", mixprec.set_module_policy, MODEL, LINEAR_FP32,
         how=ModuleCall((lambda: mixprec.autocast("cpu"), lambda: torch.autocast("xla")), (GOOD_X,)),
         raises=RuntimeError, names=("device_type='xla'", "compute='native'")),
-    missing_arguments("module-policy-handle", mixprec.ModulePolicyHandle, "policy", "_hooks", "_token"),
+    missing_arguments("module-policy-handle", mixprec.ModulePolicyHandle, "policy", "_forward", "_token"),
     row("autocast-module-module-int", mixprec.AutocastModule, 3, "cpu", raises=TypeError,
         names=("module=3", "Expected a torch.nn.Module")),
     row("autocast-module-device-unknown", mixprec.AutocastModule, MODEL, "tpu", raises=ValueError,
@@ -781,7 +781,6 @@ def snapshot() -> dict[str, object]:
         "mixprec active settings": dict(state.active),
         "mixprec frames": list(state.frames),
         "mixprec module policies": list(state.module_policies),
-        "mixprec module hook frames": list(_module._frames.stack),
         "mixprec cast cache": set(_cast.thread_cache()),
         "mixprec installation": _install.current,
         "mixprec kernels": {d: _kernels.registered(d) for d in _devices.DEVICES},

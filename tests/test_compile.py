@@ -164,18 +164,42 @@ def test_enabled_from_a_runtime_value(use_amp, expected):
 
 # Seed 004: uncommon usage patterns.
 def test_instance_reused_and_bound_with_as():
+    # A region torch's kernels serve is a torch.autocast under compile (mixprec._compile): reused as torch's
+    # is. One with a policy is mixprec's own, also re-entered through its ``as`` name.
+    linear_fp32 = mixprec.policies.CPU.with_ops(fp32=["linear"])
+
     def fn(x):
         region = mixprec.autocast("cpu")
         with region:
             a = LIN(x)
         b = LIN(x)
-        with region as again:
+        with region:
             c = LIN(x)
+        policy = mixprec.autocast("cpu", policy=linear_fp32)
+        with policy as again:
+            d = torch.mm(x, x.T)
             with again:
-                d = LIN(x)
-        return a, b, c, d
+                e = LIN(x), torch.mm(x, x.T)
+            with region:
+                f = LIN(x)
+        return a, b, c, d, *e, f
 
-    assert _dtypes(_compile(fn)(X)) == [BF16, torch.float32, BF16, BF16]
+    assert _dtypes(_compile(fn)(X)) == _dtypes(fn(X)) == [BF16, torch.float32, BF16, BF16, torch.float32, BF16, BF16]
+
+
+def test_as_binding_of_a_region_torch_serves_is_torchs_under_compile():
+    # Dynamo binds ``with torch.autocast(...) as a`` to None; so does a region that is torch's under compile.
+    def native(x):
+        with torch.autocast("cpu") as bound:
+            return LIN(x), bound
+
+    def mine(x):
+        with mixprec.autocast("cpu") as bound:
+            return LIN(x), bound
+
+    expected = _compile(native)(X)
+    found = _compile(mine)(X)
+    assert (expected[0].dtype, expected[1]) == (found[0].dtype, found[1]) == (BF16, None)
 
 
 # Seed 004: promote decided from the real dtypes.

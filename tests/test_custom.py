@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec._custom import _cast_inputs
+from mixprec._cast import cast_tree
 
 
 class MyMM(torch.autograd.Function):
@@ -105,10 +105,31 @@ Point = collections.namedtuple("Point", "x y")
         ("float64 stays", torch.ones(1, dtype=torch.float64), lambda out: out.dtype is torch.float64),
         ("int stays", torch.ones(1, dtype=torch.long), lambda out: out.dtype is torch.long),
         ("other device stays", torch.ones(1, device="meta"), lambda out: out.dtype is torch.float32),
+        ("nested", {"a": [(torch.ones(1),)]}, lambda out: out["a"][0][0].dtype is torch.float16),
     ],
 )
 def test_cast_walks_containers(name, value, check):
-    assert check(_cast_inputs(value, "cpu", torch.float16))
+    assert check(cast_tree(value, "cpu", torch.float16))
+
+
+class _Cache:
+    """An object an argument carries through (a KV cache): iterable, and not to be rebuilt."""
+
+    def __init__(self) -> None:
+        self.items = [torch.ones(1)]
+
+    def __iter__(self):
+        return iter(self.items)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [_Cache(), iter([torch.ones(1)]), (x for x in [torch.ones(1)]), collections.OrderedDict(k=torch.ones(1)),
+     [torch.ones(1, dtype=torch.float16), "x"], {"k": 3}, range(3)],
+    ids=["custom-iterable", "iterator", "generator", "dict-subclass", "nothing-to-cast-list", "plain-dict", "range"],
+)
+def test_cast_passes_every_other_object_through_as_the_same_object(value):
+    assert cast_tree(value, "cpu", torch.float16) is value
 
 
 def test_custom_fwd_validates_device_type():

@@ -252,7 +252,7 @@ def test_state_is_kept_when_an_earlier_pre_hook_raises():
     handle.remove()
 
 
-def test_remove_inside_forward_is_refused_and_state_stays_whole():
+def test_remove_inside_forward_takes_effect_at_the_next_call_and_state_stays_whole():
     class RemovesItself(nn.Module):
         def forward(self, x):
             self.handle.remove()
@@ -260,11 +260,12 @@ def test_remove_inside_forward_is_refused_and_state_stays_whole():
 
     module = RemovesItself()
     module.handle = mixprec.set_module_policy(module, "fp32")
-    with mixprec.autocast("cpu"), pytest.raises(RuntimeError, match="forward is running"):
-        module(torch.randn(2))
-    module.handle.remove()
     with mixprec.autocast("cpu"):
+        assert module(torch.randn(2, dtype=bf16)).dtype is torch.float32  # this call keeps its level
+        assert mixprec.is_autocast_enabled("cpu")
         assert module(torch.randn(2, dtype=bf16)).dtype is bf16
+    assert "forward" not in module.__dict__
+    module.handle.remove()
 
 
 def test_module_policy_state_is_per_thread():

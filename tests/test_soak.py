@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec import _cast, _install, _kernels, _module, _state, _tables
+from mixprec import _cast, _install, _kernels, _state, _tables
 from mixprec.policies import Category, Policy
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -101,8 +101,6 @@ def leftovers(start_dtype: torch.dtype) -> list[str]:
         found.append(
             f"mixprec state: active={state.active}, frames={state.frames}, module_policies={state.module_policies}"
         )
-    if _module._frames.stack:
-        found.append(f"module policy frames: {_module._frames.stack}")
     if _cast.thread_cache():
         found.append(f"{len(_cast.thread_cache())} cast cache entries")
     return found

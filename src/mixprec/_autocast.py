@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 
-from mixprec import _cast, _compile, _compute, _devices, _errors, _install, _kernels, _recompute, _state, _tables
+from mixprec import (
+    _cast,
+    _compile,
+    _compute,
+    _devices,
+    _errors,
+    _guard,
+    _install,
+    _kernels,
+    _recompute,
+    _state,
+    _tables,
+)
 from mixprec.policies import Policy
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -20,7 +33,7 @@ _is_enabled, _set_enabled = torch.is_autocast_enabled, torch.set_autocast_enable
 _get_dtype, _set_dtype = torch.get_autocast_dtype, torch.set_autocast_dtype
 _is_cached, _set_cached = torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled
 _increment_nesting, _decrement_nesting = torch.autocast_increment_nesting, torch.autocast_decrement_nesting
-_clear_cache = torch.clear_autocast_cache
+_clear_cache = _cast.clear_autocast_cache  # torch's, and mixprec's mirror of torch's cache
 _holders = _state.holders
 
 
@@ -110,6 +123,25 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
 
     _setting: _state.Setting | None
 
+    def __new__(
+        cls,
+        device_type: str,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        *,
+        policy: Policy | None = None,
+        compute: str = "auto",
+    ) -> Any:
+        if _dynamo_compiling():
+            # Made in compiled code: a region torch's kernels serve exactly is a torch.autocast, which dynamo
+            # knows natively (graph breaks, nesting, guards); any other is this class (see mixprec._compile).
+            cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
+            native, fast, usable, cache, _ = _compile.plan(device_type, dtype, enabled, cache, policy, compute)
+            if native:
+                return torch.autocast(device_type, fast, usable, cache)
+        return object.__new__(cls)
+
     def __init__(
         self,
         device_type: str,
@@ -120,27 +152,35 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         policy: Policy | None = None,
         compute: str = "auto",
     ) -> None:
-        compiling = _dynamo_compiling()
+        self._policy, self._compute, self.device = policy, compute, device_type
+        self._setting = None
+        self._plain = self._native_only = False
+        self._unframed: dict[int, tuple[bool, torch.dtype, bool]] = {}  # {0: torch's state} while a level is open
+        if _dynamo_compiling():  # a region that needs mixprec's setting (``__new__`` returned the others)
+            cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
+            _, self.fast_dtype, self._enabled, self._cache_enabled, self._token = _compile.plan(
+                device_type, dtype, enabled, cache, policy, compute, False
+            )
+            self._emulate, self._emulate_ops = False, frozenset[str]()
+            self._traced: list[tuple[int, Any]] = []  # per open level: the token around it, torch's region
+            return
         spec = _devices.spec(device_type)
-        _check_type("dtype", dtype, torch.dtype, optional=True)
-        _check_type("enabled", enabled, bool)
-        _check_type("cache_enabled", cache_enabled, bool, optional=True)
-        _check_type("policy", policy, Policy, optional=True)
-        self.device = device_type
+        _errors.check_type("dtype", dtype, torch.dtype, optional=True)
+        _errors.check_type("enabled", enabled, bool)
+        _errors.check_type("cache_enabled", cache_enabled, bool, optional=True)
+        _errors.check_type("policy", policy, Policy, optional=True)
         self.fast_dtype = spec.default_dtype if dtype is None else dtype
         self._cache_enabled = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
-        self._policy = policy
-        self._enabled = enabled and _usable(spec, self.fast_dtype)
-        self._compute = _compute.check_compute(compute)
-        self._emulate = self._enabled and _compute.emulates(self._compute, device_type, self.fast_dtype)
+        self._enabled = enabled and _devices.usable(spec, self.fast_dtype)
+        self._args = (enabled, cache_enabled)  # as given: a pickled region is made again from them (__reduce__)
+        _compute.check_compute(compute)
+        self._emulate = self._enabled and _compute.emulates(compute, device_type, self.fast_dtype)
         self._emulate_ops = (
-            _compute.emulated_ops(self._compute, device_type, self.fast_dtype) if self._enabled else frozenset()
+            _compute.emulated_ops(compute, device_type, self.fast_dtype) if self._enabled else frozenset()
         )
-        self._setting = None  # made here when the arguments are remembered, else on first entry
-        self._plain = False  # _native_only, once torch's tables were checked (see __enter__)
-        self._native_only = False  # the device's default policy with native compute: no kernel needed
-        self._unframed: dict[int, tuple[bool, torch.dtype, bool]] = {}  # {0: torch's state} while a level is open
-        if self._enabled and not compiling:  # no warning was given
+        # _setting: made here for an enabled region, else on first entry; _native_only: the device's default
+        # policy with native compute (no kernel needed); _plain: that, once torch's tables were checked.
+        if self._enabled:  # no warning was given
             default = _tables.default_policy(device_type)
             chosen = self._policy if self._policy is not None else default
             self._setting = _state.setting(device_type, chosen, self._emulate, self._emulate_ops)
@@ -168,6 +208,13 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
                 if saved[2] is not self._cache_enabled:
                     _set_cached(self._cache_enabled)
                 return self
+        if _dynamo_compiling():
+            around = _compile.current(self.device)
+            _compile.push(self._token)
+            entered = _compile.torch_region(self.device, self.fast_dtype, True, self._cache_enabled)
+            entered.__enter__()
+            self._traced.append((around, entered))
+            return self
         setting = self._setting
         state = _state._state
         inherits = state.module_policies or (self._policy is None and _install.current)  # a policy from outside
@@ -210,6 +257,11 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
                 _set_dtype(device, saved[1])
                 _set_cached(saved[2])
                 return
+        if _dynamo_compiling():
+            around, entered = self._traced.pop()
+            entered.__exit__(*exc_info)
+            _compile.pop(self.device, around)
+            return
         state = _state._state
         frames = state.frames
         if frames and type(frames[-1][3]) is tuple:  # entered on the eager path: ``leave`` written out
@@ -271,19 +323,39 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
 
         return decorate_autocast  # type: ignore[return-value]
 
-    def _fresh(self) -> autocast:
-        """A new region with these settings, checked already: torch.compile enters only
-        context managers made inside the compiled code, and a decorator's instance is not."""
-        region = autocast.__new__(autocast)
+    def _fresh(self) -> Any:
+        """A new region with these settings (the decorator's and AutocastModule's, entered once per call).
+
+        Dynamo enters only context managers made in the code it traces, so there it is made anew (a
+        ``torch.autocast`` where that is the region, see ``__new__``); in eager code it is copied, checked
+        already.
+        """
+        if _dynamo_compiling():
+            native, fast, usable, cache, _ = _compile.plan(
+                self.device, self.fast_dtype, self._enabled, self._cache_enabled, self._policy, self._compute, True
+            )
+            if native:
+                return torch.autocast(self.device, fast, usable, cache)
+            return autocast(
+                self.device, self.fast_dtype, self._enabled, self._cache_enabled, policy=self._policy,
+                compute=self._compute,
+            )
+        region = object.__new__(autocast)
         region.device, region.fast_dtype, region._cache_enabled = self.device, self.fast_dtype, self._cache_enabled
         region._policy, region._enabled, region._emulate = self._policy, self._enabled, self._emulate
         region._emulate_ops = self._emulate_ops
-        region._compute = self._compute
-        region._setting = None if _dynamo_compiling() else self._setting  # see __enter__
+        region._compute, region._args = self._compute, self._args
+        region._setting = self._setting
         region._native_only = self._native_only and region._setting is not None
         region._plain = self._plain and region._native_only
         region._unframed = {}
         return region
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as the arguments it was made with (a region holds no state between entries)."""
+        enabled, cache_enabled = self._args
+        arguments = (self.device, self.fast_dtype, enabled, cache_enabled, self._policy, self._compute)
+        return (_remake, (type(self), *arguments))
 
     def __repr__(self) -> str:
         return (
@@ -294,6 +366,23 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         )
 
 
+def _remake(
+    cls: type[autocast],
+    device_type: str,
+    dtype: torch.dtype,
+    enabled: bool,
+    cache_enabled: bool | None,
+    policy: Policy | None,
+    compute: str,
+) -> autocast:
+    """A region made again from its arguments (unpickling): a subclass's by the base class's ``__init__``."""
+    if cls is autocast:
+        return autocast(device_type, dtype, enabled, cache_enabled, policy=policy, compute=compute)
+    region = object.__new__(cls)
+    autocast.__init__(region, device_type, dtype, enabled, cache_enabled, policy=policy, compute=compute)
+    return region
+
+
 #: ``(device_type, dtype, cache_enabled, compute, id(policy))`` -> the enabled region made for them.
 _made: dict[tuple[Any, ...], autocast] = {}
 
@@ -301,12 +390,13 @@ _made: dict[tuple[Any, ...], autocast] = {}
 def enter(
     device: str, setting: _state.Setting | None, dtype: torch.dtype, enabled: bool, cache_enabled: bool
 ) -> None:
-    """Open one nesting level: torch's autocast state for ``device``, and mixprec's setting beside it.
+    """Open one nesting level in eager code: torch's autocast state for ``device``, mixprec's setting beside it.
 
-    ``setting=None`` keeps the thread's current mixprec setting (a level that only turns autocast off).
+    ``setting=None`` keeps the thread's current mixprec setting (a level that only turns autocast off). Code
+    that dynamo traces opens levels through ``level`` instead.
     """
-    if torch.compiler.is_compiling() or torch._C._is_torch_function_mode_enabled():
-        _enter_traced(device, setting, dtype, enabled, cache_enabled)
+    if torch._C._is_torch_function_mode_enabled():
+        _enter_function_mode(device, setting, dtype, enabled, cache_enabled)
         return
     # The eager path, as torch.autocast.__enter__ sets torch's state, minus its argument checks (made already).
     state = _state._state
@@ -325,126 +415,80 @@ def enter(
     _state.hold(state)
 
 
-def _enter_traced(
+def _enter_function_mode(
     device: str, setting: _state.Setting | None, dtype: torch.dtype, enabled: bool, cache_enabled: bool
 ) -> None:
-    """``enter`` where a trace must see the region: torch.compile, and export's torch-function mode."""
+    """``enter`` under a torch-function mode (non-strict export's tracer): torch.autocast's own object sets the
+    state and reports the region to the mode, so a nested region's exit restores the state export traces."""
     state = _state.get()
-    compiling = torch.compiler.is_compiling()
     previous = None
     if setting is not None:
-        if not compiling:  # under compile, _push's token registers the kernels, eagerly
-            _kernels.ensure(setting)
+        _guard.refuse_export(setting)
+        _kernels.ensure(setting)
         previous = state.active.get(device)
-        _push(state, device, setting, compiling)
-    entered: Any
+        state.active[device] = setting
+    entered = torch.autocast(device, dtype, enabled, cache_enabled)
     try:
-        if not _dynamo_compiling():
-            # Non-strict export (or another torch-function mode): torch.autocast's own object sets the state
-            # and reports the region to export's tracer, so a nested region's exit restores the state it traces.
-            entered = torch.autocast(device, dtype, enabled, cache_enabled)
-            entered.__enter__()
-        elif _compile.strict_exporting():
-            entered = _compile.torch_region(device, dtype, enabled, cache_enabled)
-            entered.__enter__()  # dynamo records the with block inside as wrap_with_autocast
-        else:
-            entered = torch.amp._enter_autocast(device, dtype, enabled, cache_enabled)
+        entered.__enter__()
     except BaseException:
         if setting is not None:
-            _pop(state, device, previous, compiling)
+            _restore(state, device, previous)
         raise
     state.frames.append((device, setting is not None, previous, entered))
-    if not compiling:  # under compile, ``token`` marks the thread, eagerly
-        _state.hold(state)
+    _state.hold(state)
 
 
-def leave(state: _state.ThreadState, levels: int) -> None:
-    """Close ``levels`` nesting levels; the cast cache goes when the last one closes."""
-    for _ in range(levels):
-        device, pushed, previous, saved = state.frames.pop()
-        if type(saved) is tuple:  # entered on the eager path
-            if torch.autocast_decrement_nesting() == 0:
-                torch.clear_autocast_cache()
-            torch.set_autocast_enabled(device, saved[0])
-            torch.set_autocast_dtype(device, saved[1])
-            torch.set_autocast_cache_enabled(saved[2])
-            if pushed:
-                if previous is None:
-                    del state.active[device]
-                else:
-                    state.active[device] = previous
-        else:
-            if _dynamo_compiling():
-                torch.amp._exit_autocast(saved)
-            else:
-                saved.__exit__(None, None, None)
-            if pushed:
-                _pop(state, device, previous, torch.compiler.is_compiling())
-    if levels and not state.frames:
-        cache = _cast.thread_cache()
-        if cache:
-            cache.clear()
-        if not _dynamo_compiling():
-            _state.release(state)
-
-
-def _push(state: _state.ThreadState, device: str, setting: _state.Setting, compiling: bool) -> None:
-    if compiling:
-        _compile.push(_compile.token(device, setting.policy, setting.emulate, setting.emulate_ops))
-    else:
-        state.active[device] = setting
-
-
-def _pop(state: _state.ThreadState, device: str, previous: _state.Setting | None, compiling: bool) -> None:
-    if compiling:
-        if previous is None:
-            _compile.push(_compile.token(device, None, False, frozenset()))
-        else:
-            _compile.push(_compile.token(device, previous.policy, previous.emulate, previous.emulate_ops))
-    elif previous is None:
+def _restore(state: _state.ThreadState, device: str, previous: _state.Setting | None) -> None:
+    if previous is None:
         state.active.pop(device, None)
     else:
         state.active[device] = previous
 
 
-def _check_type(name: str, value: object, expected: type, *, optional: bool = False) -> None:
-    if (optional and value is None) or isinstance(value, expected):
+def leave(state: _state.ThreadState, levels: int) -> None:
+    """Close ``levels`` nesting levels opened by ``enter``; the cast cache goes when the last one closes."""
+    for _ in range(levels):
+        device, pushed, previous, saved = state.frames.pop()
+        if type(saved) is tuple:  # entered on the eager path
+            if torch.autocast_decrement_nesting() == 0:
+                _cast.clear_autocast_cache()
+            torch.set_autocast_enabled(device, saved[0])
+            torch.set_autocast_dtype(device, saved[1])
+            torch.set_autocast_cache_enabled(saved[2])
+        else:
+            saved.__exit__(None, None, None)
+        if pushed:
+            _restore(state, device, previous)
+    if levels and not state.frames:
+        cache = _cast.thread_cache()
+        if cache:
+            cache.clear()
+        _state.release(state)
+
+
+@contextlib.contextmanager
+def level(device: str, setting: _state.Setting | None, dtype: torch.dtype, enabled: bool, cache_enabled: bool,
+          token: int = 0) -> Iterator[None]:
+    """One nesting level as a ``with`` block, in eager code and in code dynamo traces (``token``: the setting's
+    under the trace, from ``_compile``). The level closes on any exception, KeyboardInterrupt included."""
+    if _dynamo_compiling():
+        if setting is not None and not token:
+            token = _compile.setting_token(setting)
+        around = _compile.current(device) if token else 0
+        if token:
+            _compile.push(token)
+        try:
+            with _compile.torch_region(device, dtype, enabled, cache_enabled):
+                yield
+        finally:
+            if token:
+                _compile.pop(device, around)
         return
-    label = f"{expected.__module__}.{expected.__qualname__}" if expected.__module__ != "builtins" else expected.__name__
-    raise TypeError(
-        _errors.message(
-            f"autocast argument {name!r} has the wrong type",
-            f"it must be a {label}" + (" or None" if optional else ""),
-            received={name: value},
-            expected=f"a {label}",
-        )
-    )
-
-
-def _usable(spec: _devices.DeviceSpec, dtype: torch.dtype) -> bool:
-    """Whether a region can run; warns (and the region is disabled) if not."""
-    if not spec.available():
-        _errors.warn(
-            _errors.message(
-                "autocast disabled",
-                f"device_type {spec.name!r} is not available on this machine",
-                fix=f"Use a device type that is available, e.g. 'cpu', or run where {spec.name} is present.",
-            ),
-            _errors.AutocastDisabledWarning,
-        )
-        return False
-    if dtype not in spec.supported_dtypes:
-        _errors.warn(
-            _errors.message(
-                "autocast disabled",
-                f"{spec.name} autocast does not support this dtype",
-                received={"dtype": dtype},
-                expected=[_devices.dtype_name(d) for d in spec.supported_dtypes],
-            ),
-            _errors.AutocastDisabledWarning,
-        )
-        return False
-    return True
+    enter(device, setting, dtype, enabled, cache_enabled)
+    try:
+        yield
+    finally:
+        leave(_state._state, 1)
 
 
 def is_autocast_enabled(device_type: str) -> bool:

@@ -1,21 +1,32 @@
-"""Casting eligible tensors, and the cast cache.
+"""Casting eligible tensors, and the cast caches.
 
 Eligibility (the AMP references' rule): a tensor is cast only if it is floating
 point, lives on the autocast device, and is not float64.
 
-The cache reuses the low-precision copy of a weight within one outermost
-autocast region, as native autocast does, with three corrections:
+A ``lower_precision_fp`` cast of a weight (a float32 leaf that requires grad,
+not a view) goes through a cache, as native autocast's does. Which cache depends
+on where the kernel runs (``cache_for_call``):
 
-* it is bypassed while grad mode is off, so a copy made under ``no_grad``
-  (which has no autograd history) never reaches a later differentiable call;
-* an entry records the weight's version counter: an in-place update of the
-  weight forces a fresh cast;
-* an entry holds the weight only through a weak reference, and the whole cache
-  is dropped when the outermost region exits.
+* Inside a mixprec region, mixprec's own (per thread, cleared when the thread's
+  outermost region exits), with three corrections to torch's rule: it is skipped
+  while grad mode is off, so a copy made under ``no_grad`` (which has no autograd
+  history) never reaches a later differentiable call; an entry records the
+  weight's version counter, so an in-place update of the weight forces a fresh
+  cast; and entries are keyed by weight and dtype.
+* Anywhere else (a plain ``torch.autocast`` region, a checkpoint's recompute,
+  ``mixprec.install``), a mirror of torch's own cache, with torch's rules:
+  process-wide, keyed by the weight alone, used under ``no_grad`` too (the copy
+  is made with grad on, as torch's carries autograd history there), and cleared
+  whenever torch clears its own: ``torch.clear_autocast_cache``, which
+  ``torch.autocast`` calls as its outermost region exits, is wrapped while
+  mixprec has kernels (``follow_torch``). So a plain ``torch.autocast`` region
+  casts a weight as often as native does, whatever mixprec did before.
 """
 
 from __future__ import annotations
 
+import threading
+import typing
 import weakref
 from typing import Any
 
@@ -29,6 +40,43 @@ _float64 = torch.float64
 
 CacheEntry = tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]
 Cache = dict[tuple[int, torch.dtype], CacheEntry]
+
+
+#: The mirror of torch's cache: ``id(weight)`` -> (a weak reference to the weight, its cast).
+TorchCache = dict[int, tuple["weakref.ref[torch.Tensor]", torch.Tensor]]
+_torch_cache: TorchCache = {}
+_torch_clear = torch._C.clear_autocast_cache  # torch's own
+_follow_lock = threading.Lock()
+
+
+def clear_autocast_cache() -> None:
+    """``torch.clear_autocast_cache``, which also clears mixprec's mirror of torch's cache (see the module)."""
+    _torch_clear()
+    if _torch_cache:
+        _torch_cache.clear()
+
+
+clear_autocast_cache.__wrapped__ = _torch_clear  # type: ignore[attr-defined]
+
+
+def follow_torch(on: bool) -> None:
+    """Put ``clear_autocast_cache`` in ``torch.clear_autocast_cache``'s place (on), or torch's own back (off)."""
+    with _follow_lock:
+        if on and torch.clear_autocast_cache is _torch_clear:
+            torch.clear_autocast_cache = clear_autocast_cache
+        elif not on and torch.clear_autocast_cache is clear_autocast_cache:
+            torch.clear_autocast_cache = _torch_clear
+            _torch_cache.clear()
+
+
+def cache_for_call() -> Cache | TorchCache | None:
+    """The cache a ``lower_precision_fp`` kernel casts weights through now, or None (see the module)."""
+    if not torch.is_autocast_cache_enabled() or torch.compiler.is_compiling():  # a graph casts each once anyway
+        return None
+    state = _state._state
+    if state.frames:
+        return state.cache if torch.is_grad_enabled() else None
+    return _torch_cache
 
 
 def thread_cache() -> Cache:
@@ -55,14 +103,25 @@ def to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if method is None else method(t)
 
 
-def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device_type: str, cache: Cache | None) -> torch.Tensor:
+def cast_tensor(
+    t: torch.Tensor, dtype: torch.dtype, device_type: str, cache: Cache | TorchCache | None
+) -> torch.Tensor:
     """Cast one tensor if eligible; weights (fp32 leaves requiring grad) go through the cache."""
     source = t.dtype
     if source is dtype or source is _float64 or not t.is_floating_point():
         return t
     if not (t.is_cpu if device_type == "cpu" else t.device.type == device_type):
         return t
+    if cache is _torch_cache and source is _float32 and t.requires_grad and t.is_leaf and not t._is_view():
+        found = _torch_cache.get(id(t))
+        if found is not None and found[0]() is t:
+            return found[1]  # whatever dtype it was cast to, as torch's cache answers
+        with torch.enable_grad():
+            out = to(t, dtype)
+        _torch_cache[id(t)] = (weakref.ref(t), out)
+        return out
     if cache is not None and source is _float32 and t.requires_grad and t.is_leaf and not t._is_view():
+        cache = typing.cast(Cache, cache)  # mixprec's own (the mirror was handled above)
         key = (id(t), dtype)
         hit = cache.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version:
@@ -73,7 +132,7 @@ def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device_type: str, cache: Ca
     return to(t, dtype)
 
 
-def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | None) -> Any:
+def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | TorchCache | None) -> Any:
     """Cast a tensor argument, or the tensors of a list/tuple argument (a TensorList)."""
     if isinstance(value, _Tensor):
         return cast_tensor(value, dtype, device_type, cache)
@@ -83,7 +142,11 @@ def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | 
 
 
 def cast_call(
-    args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype, device_type: str, cache: Cache | None
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dtype: torch.dtype,
+    device_type: str,
+    cache: Cache | TorchCache | None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Cast every eligible tensor among a call's arguments."""
     new_args = tuple([cast_value(a, dtype, device_type, cache) for a in args])
@@ -101,3 +164,30 @@ def iter_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]):  # type: ignore
             for v in value:
                 if isinstance(v, _Tensor):
                     yield v
+
+
+def cast_tree(value: Any, device_type: str, dtype: torch.dtype) -> Any:
+    """Cast the eligible tensors in a function's argument to ``dtype``, as torch's ``custom_fwd(cast_inputs=)``
+    does, without touching anything else.
+
+    Tensors are cast where they are the argument or sit (at any depth) in a list, tuple, namedtuple or dict;
+    such a container is rebuilt only if something inside it was cast, so an argument with nothing to cast is
+    passed on as the same object (an in-place append to a list argument stays visible to the caller). Every
+    other object (a cache object, a generator, a dict subclass) is passed on untouched.
+    """
+    if isinstance(value, _Tensor):
+        return value.to(dtype) if value.dtype is not dtype and is_eligible(value, device_type) else value
+    kind = type(value)
+    if kind is list or kind is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
+        items = [cast_tree(v, device_type, dtype) for v in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        if kind is list or kind is tuple:
+            return kind(items)
+        return kind(*items)  # a namedtuple
+    if kind is dict:
+        cast = {k: cast_tree(v, device_type, dtype) for k, v in value.items()}
+        if all(cast[k] is v for k, v in value.items()):
+            return value
+        return cast
+    return value

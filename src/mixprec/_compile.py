@@ -1,23 +1,29 @@
-"""A mixprec region inside code that torch.compile traces.
+"""mixprec regions inside code that torch.compile traces.
 
-Torch's part of a region (``torch.amp._enter_autocast`` / ``_exit_autocast``)
-is understood by dynamo: it enters autocast while tracing and records the
-state change in the graph. mixprec's part, the thread's setting, is put in the
-graph as calls of ``push(token)``, a function dynamo writes into the graph
-unexamined (``allow_in_graph``) and runs on each pass over the graph (its own
-fake-tensor pass, AOTAutograd's trace, the eager backend's run), so the
-kernels at the Autocast keys see the region's policy wherever they run. The
-casts they make end up in the graph; ``push`` itself leaves nothing in an
-ATen graph.
+A region made inside compiled code is decided once, eagerly, while dynamo traces
+it (``plan``, a constant function):
 
-torch.export records a region as torch's ``wrap_with_autocast``, which holds
-torch's state only: ``strict_exporting`` and ``torch_region`` let strict export
-see torch's part as a ``with torch.autocast`` block, and ``token`` refuses to
-export a region whose policy changes a category.
+* A region torch's own kernels serve exactly (the device's default policy, native
+  compute, no mixprec setting, module policy or installation that differs in force
+  around it; or ``enabled=False``) *is* a ``torch.autocast``: ``autocast.__new__``
+  returns one. Dynamo knows it natively, so graph breaks inside it, nesting in
+  ``torch.autocast`` and guards work as for native code, with one compiled frame.
+* Any other region keeps its setting in mixprec's thread state. Its entry and exit
+  put ``push(token)``/``pop`` calls in the graph: dynamo writes them in unexamined
+  (``allow_in_graph``) and runs them on each pass over the graph (its own
+  fake-tensor pass, AOTAutograd's trace, an eager backend's run), so the
+  Autocast-key kernels see the policy wherever they run; their casts end up in
+  the ATen graph, which holds no ``push``. Torch's half of the region is entered
+  through ``torch_region``, a generator context whose body is a ``with
+  torch.autocast`` block: dynamo traces it, strict export records it as
+  ``wrap_with_autocast``, and it nests inside ``torch.autocast`` (explicit
+  ``_enter_autocast``/``_exit_autocast`` calls there break dynamo's state check).
+  Dynamo cannot carry such a region across a graph break: it runs the frame that
+  holds it eagerly instead, where the region is an eager region, and compiles the
+  frames it calls (``_guard.keep_eager`` keeps mixprec's own frames eager).
 
-Nothing here imports ``torch._dynamo`` when mixprec is imported: ``constant``
-(``mixprec._constant``) marks a function as ``torch.compiler.assume_constant_result``
-does, and ``token`` (run eagerly by the trace) registers ``push`` with dynamo.
+Module policies (``_module``) use the same pieces: ``module_token`` for the
+setting, ``push_module`` for the policy regions opened inside inherit.
 """
 
 from __future__ import annotations
@@ -25,20 +31,133 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from mixprec import _errors, _guard, _kernels, _state, _tables
+from mixprec import _compute, _devices, _errors, _guard, _install, _kernels, _recompute, _state, _tables
 from mixprec._constant import constant
 from mixprec.policies import Policy
 
 _lock = threading.Lock()
-_tokens: dict[int, tuple[str, _state.Setting | None]] = {}
+#: token -> what it stands for in a graph: a setting (0: none), or a module policy. A compiled graph holds the
+#: int; the entry keeps the object alive for as long as the process may run that graph. One entry per distinct
+#: setting or policy used under compile.
+_tokens: dict[int, Any] = {0: None}
+_token_of: dict[tuple[Any, ...], int] = {}
+
+#: What ``plan`` returns: (native, dtype, enabled, cache_enabled, token).
+Plan = tuple[bool, torch.dtype, bool, bool, int]
+
+
+def _token(key: tuple[Any, ...], value: Any, policy: Policy) -> int:
+    with _lock:
+        found = _token_of.get(key)
+        if found is None or _policy_of(_tokens[found]) is not policy:
+            found = _token_of[key] = len(_tokens)
+            _tokens[found] = value
+    return found
+
+
+def _policy_of(value: Any) -> Policy:
+    return value if isinstance(value, Policy) else value.policy
+
+
+def token_of(setting: _state.Setting | None) -> int:
+    """The int that stands for ``setting`` in a graph (0: none)."""
+    if setting is None:
+        return 0
+    key = (setting.device_type, id(setting.policy), setting.emulate, setting.emulate_ops, setting.from_module)
+    return _token(key, setting, setting.policy)
 
 
 @constant
-def token(device_type: str, policy: Policy | None, emulate: bool, emulate_ops: frozenset[str]) -> int:
-    """An int standing for a setting in a graph (None: no setting), its kernels registered (run eagerly)."""
+def setting_token(setting: _state.Setting | None) -> int:
+    """``token_of`` run eagerly by the trace (a setting made outside it: custom_bwd's)."""
+    return token_of(setting)
+
+
+@constant
+def policy_token(policy: Policy) -> int:
+    """The int that stands for a module policy in a graph (``push_module``)."""
+    return _token(("module policy", id(policy)), policy, policy)
+
+
+def push(token: int) -> None:
+    """Make the setting behind ``token`` this thread's setting for its device (in the graph: every pass runs it)."""
+    setting = _tokens[token]
+    if setting is not None:
+        state = _state.get()
+        state.active[setting.device_type] = setting
+        _state.hold(state)
+
+
+def pop(device_type: str, token: int) -> None:
+    """Put back the setting behind ``token`` (0: none) as the thread's setting for ``device_type``."""
+    state = _state.get()
+    setting = _tokens[token]
+    if setting is None:
+        state.active.pop(device_type, None)
+    else:
+        state.active[device_type] = setting
+
+
+def push_module(token: int) -> None:
+    """Enter the module policy behind ``token``: regions opened inside with no policy of their own take it."""
+    state = _state.get()
+    state.module_policies.append(_tokens[token])
+    _state.hold(state)
+
+
+def pop_module() -> None:
+    _state.get().module_policies.pop()
+
+
+def _allow_in_graph() -> None:
+    import torch._dynamo
+
+    for function in (push, pop, push_module, pop_module):
+        torch._dynamo.allow_in_graph(function)
+
+
+def _native_equivalent(setting: _state.Setting | None) -> bool:
+    """Whether torch's own kernels serve ``setting`` exactly (none, or the default policy with native compute)."""
+    return setting is None or (
+        setting.policy is _tables.default_policy(setting.device_type)
+        and not setting.emulate
+        and not setting.emulate_ops
+    )
+
+
+@constant
+def plan(
+    device_type: str,
+    dtype: torch.dtype | None,
+    enabled: bool,
+    cache_enabled: bool,
+    policy: Policy | None,
+    compute: str,
+    entered: bool | None = None,
+) -> Plan:
+    """Decide (eagerly, while dynamo traces) what a region made in compiled code is.
+
+    Returns ``(native, dtype, enabled, cache_enabled, token)``: ``native`` when a ``torch.autocast`` with
+    those arguments is the region exactly (``token`` is then 0), else the token of the region's setting.
+    The arguments are checked as ``autocast`` checks them; a region that cannot run warns and is disabled.
+
+    A region whose policy is torch's is ``native`` only if it is entered where it is made (``entered``; None:
+    if ``autocast.__new__``'s caller puts it straight into a ``with``): a region kept and entered later, say
+    inside a region with another policy, must set the default policy there, which a ``torch.autocast`` does not.
+    """
+    _guard.contact()
+    if entered is None:
+        entered = _guard.made_for_with()
+    spec = _devices.spec(device_type)
+    _errors.check_type("dtype", dtype, torch.dtype, optional=True)
+    _errors.check_type("enabled", enabled, bool)
+    _errors.check_type("cache_enabled", cache_enabled, bool)
+    _errors.check_type("policy", policy, Policy, optional=True)
+    _compute.check_compute(compute)
     if policy is not None and "table" not in vars(policy):
         # Dynamo hands a constant function an object made during the trace without its attributes.
         raise RuntimeError(
@@ -48,99 +167,58 @@ def token(device_type: str, policy: Policy | None, emulate: bool, emulate_ops: f
                 fix="Build the policy outside the compiled function (e.g. at module level) and pass it in.",
             )
         )
-    setting = None if policy is None else _state.Setting(device_type, policy, emulate, emulate_ops)
-    if setting is not None:
-        _refuse_export(setting)
+    fast = spec.default_dtype if dtype is None else dtype
+    if not (enabled and _devices.usable(spec, fast)):
+        return (True, fast, False, cache_enabled, 0)
+    state = _state.get()
+    if policy is None:  # the innermost module policy, else the installed one, else the device's default
+        policy = (state.module_policies[-1] if state.module_policies else None) or _install.policy()
+    if policy is None:
+        policy = _tables.default_policy(device_type)
+    emulate = _compute.emulates(compute, device_type, fast)
+    setting = _state.Setting(device_type, policy, emulate, _compute.emulated_ops(compute, device_type, fast))
+    if _state.KERNELS in _state.holders:  # what the region is depends on the state around the frame
+        _guard.guard_trace()
+    installed = None if _install.current is None else _install.current.setting(device_type, fast)
+    around = (state.active.get(device_type), installed)
+    if _native_equivalent(setting):
+        if entered and all(_native_equivalent(s) for s in around):
+            return (True, fast, True, cache_enabled, 0)
+    else:
+        _guard.refuse_export(setting)
         _kernels.ensure(setting)
-    import torch._dynamo
-
-    torch._dynamo.allow_in_graph(push)
-    _guard.guard_trace()
-    _restore_after_trace(device_type)
-    _state.hold(_state.get())  # the trace sets settings in this thread (``push``)
-    key = hash((device_type, id(policy), emulate, emulate_ops))
-    with _lock:
-        _tokens[key] = (device_type, setting)
-    return key
+        _guard.guard_trace()
+    _allow_in_graph()
+    return (False, fast, True, cache_enabled, token_of(setting))
 
 
 @constant
-def strict_exporting() -> bool:
-    """Whether dynamo is tracing for ``torch.export.export(..., strict=True)`` (run eagerly by the trace)."""
-    if not torch.compiler.is_exporting():
-        return False
-    from torch._dynamo.symbolic_convert import InstructionTranslator
+def current(device_type: str) -> int:
+    """The token of this thread's setting for ``device_type`` as the trace stands (run eagerly)."""
+    return token_of(_state.get().active.get(device_type))
 
-    try:
-        InstructionTranslator.current_tx()
-    except AttributeError:  # non-strict export runs the code itself
-        return False
-    return True
+
+@constant
+def module_token(device_type: str, policy: Policy) -> int:
+    """The token of a module policy's setting on ``device_type`` (the setting around it, with its policy)."""
+    _guard.contact()
+    setting = _state.module_setting(device_type, policy, _recompute.around(device_type))
+    _kernels.ensure(setting)
+    _guard.guard_trace()
+    _allow_in_graph()
+    return token_of(setting)
+
+
+@constant
+def enabled_devices() -> tuple[str, ...]:
+    """The device types whose autocast is on as the trace stands (torch's state, which dynamo guards)."""
+    _guard.contact()
+    _allow_in_graph()
+    return tuple(_devices.enabled())
 
 
 @contextlib.contextmanager
 def torch_region(device: str, dtype: torch.dtype, enabled: bool, cache_enabled: bool) -> Iterator[None]:
-    """Torch's autocast as a ``with`` statement, which strict export records as ``wrap_with_autocast``
-    (dynamo enters a generator context called explicitly, not ``torch.autocast.__enter__``)."""
+    """Torch's autocast as a ``with`` block that dynamo traces from an explicit ``__enter__``/``__exit__``."""
     with torch.autocast(device, dtype, enabled, cache_enabled):
         yield
-
-
-def _refuse_export(setting: _state.Setting) -> None:
-    """An exported program keeps torch's autocast state, not mixprec's policy: refuse a policy it would drop.
-
-    Emulated compute is not refused: it has native's casts and dtypes, and the exported program runs its
-    low-precision ops on the kernels of the device it is deployed on.
-    """
-    if not torch.compiler.is_exporting() or not _tables.effective(setting.policy, setting.device_type)[1]:
-        return
-    raise RuntimeError(
-        _errors.message(
-            "This mixprec.autocast region cannot be exported",
-            "torch.export records a region as torch's autocast (device, dtype, enabled, cache), so the "
-            "exported program would apply torch's native categories, not this policy's",
-            received={"policy": setting.policy},
-            fix="Export the float32 model and apply the policy to the program with "
-            "mixprec.graph.apply_policy, or keep the device's default policy inside exported code.",
-        )
-    )
-
-
-def _restore_after_trace(device_type: str) -> None:
-    """Dynamo runs ``push`` while tracing; put the thread's settings back when the trace ends, also on failure.
-
-    Torch's autocast dtype too: dynamo restores the enabled flags after a failed trace, not the dtype that
-    ``torch.amp._enter_autocast`` set while tracing.
-    """
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    try:
-        output = InstructionTranslator.current_tx().output
-    except AttributeError:  # not under dynamo's frame translation (e.g. non-strict export)
-        return
-    if getattr(output, "_mixprec_restores", False):
-        return
-    setattr(output, "_mixprec_restores", True)  # noqa: B010 - a private mark on dynamo's object
-    active = _state.get().active
-    saved = dict(active)
-    dtype = torch.get_autocast_dtype(device_type)
-
-    def restore() -> None:
-        active.clear()
-        active.update(saved)
-        if saved:
-            _state.hold(_state.get())
-        torch.set_autocast_dtype(device_type, dtype)
-
-    output.add_cleanup_hook(restore)
-
-
-def push(key: int) -> None:
-    """Make the setting behind ``key`` this thread's setting for its device (None: no setting)."""
-    device_type, setting = _tokens[key]
-    state = _state.get()
-    if setting is None:
-        state.active.pop(device_type, None)
-    else:
-        state.active[device_type] = setting
-        _state.hold(state)

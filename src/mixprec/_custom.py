@@ -8,36 +8,13 @@ region counts), in which dtype, and mixprec's setting (policy and compute);
 
 from __future__ import annotations
 
-import collections.abc
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mixprec import _autocast, _cast, _devices, _errors, _state
-
-
-def _cast_inputs(value: Any, device_type: str, dtype: torch.dtype) -> Any:
-    """Cast eligible tensors inside ``value``; strings, bytes and numpy arrays pass through."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if _cast.is_eligible(value, device_type) else value
-    if isinstance(value, (str, bytes)):
-        return value
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and isinstance(value, numpy.ndarray):
-        return value
-    if isinstance(value, collections.abc.Mapping):
-        return {_cast_inputs(k, device_type, dtype): _cast_inputs(v, device_type, dtype) for k, v in value.items()}
-    if isinstance(value, collections.abc.Iterable):
-        items = (_cast_inputs(v, device_type, dtype) for v in value)
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*items)
-        if isinstance(value, (list, tuple)):
-            return type(value)(items)
-        return items
-    return value
 
 
 def _check_callable(where: str, name: str, value: object) -> None:
@@ -85,11 +62,10 @@ def custom_fwd(
         ctx._fwd_used_autocast = False
         if not enabled:
             return fwd(*args, **kwargs)
-        _autocast.enter(device_type, None, ctx._dtype, False, torch.is_autocast_cache_enabled())
-        try:
-            return fwd(*_cast_inputs(args, device_type, cast_inputs), **_cast_inputs(kwargs, device_type, cast_inputs))
-        finally:
-            _autocast.leave(_state.get(), 1)
+        with _autocast.level(device_type, None, ctx._dtype, False, torch.is_autocast_cache_enabled()):
+            args = _cast.cast_tree(args, device_type, cast_inputs)
+            kwargs = _cast.cast_tree(kwargs, device_type, cast_inputs)
+            return fwd(*args, **kwargs)
 
     return decorate_fwd
 
@@ -105,10 +81,8 @@ def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> An
     def decorate_bwd(*args: Any, **kwargs: Any) -> Any:
         ctx = args[0]
         setting = ctx._mixprec_setting if ctx._fwd_used_autocast else None
-        _autocast.enter(device_type, setting, ctx._dtype, ctx._fwd_used_autocast, torch.is_autocast_cache_enabled())
-        try:
+        cache = torch.is_autocast_cache_enabled()
+        with _autocast.level(device_type, setting, ctx._dtype, ctx._fwd_used_autocast, cache):
             return bwd(*args, **kwargs)
-        finally:
-            _autocast.leave(_state.get(), 1)
 
     return decorate_bwd

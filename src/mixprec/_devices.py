@@ -105,3 +105,34 @@ def check_dtype(where: str, device_type: str, dtype: object) -> None:
             expected=[dtype_name(d) for d in supported],
         )
     )
+
+
+def usable(found: DeviceSpec, dtype: torch.dtype) -> bool:
+    """Whether a region on ``found``'s device in ``dtype`` can run; warns (the region is then disabled) if not."""
+    if not found.available():
+        _errors.warn(
+            _errors.message(
+                "autocast disabled",
+                f"device_type {found.name!r} is not available on this machine",
+                fix=f"Use a device type that is available, e.g. 'cpu', or run where {found.name} is present.",
+            ),
+            _errors.AutocastDisabledWarning,
+        )
+        return False
+    if dtype not in found.supported_dtypes:
+        _errors.warn(
+            _errors.message(
+                "autocast disabled",
+                f"{found.name} autocast does not support this dtype",
+                received={"dtype": dtype},
+                expected=[dtype_name(d) for d in found.supported_dtypes],
+            ),
+            _errors.AutocastDisabledWarning,
+        )
+        return False
+    return True
+
+
+def enabled() -> list[str]:
+    """The device types whose autocast is on in this thread (torch's state)."""
+    return [d for d in DEVICES if torch_knows(d) and torch.is_autocast_enabled(d)]

@@ -68,3 +68,18 @@ def _user_stacklevel() -> int:
 def warn(text: str, category: type[MixprecWarning] = MixprecWarning) -> None:
     """Emit a mixprec warning attributed to the user's line (the first frame outside mixprec)."""
     warnings.warn(text, category, stacklevel=_user_stacklevel())
+
+
+def check_type(name: str, value: object, expected: type, *, optional: bool = False, what: str = "autocast") -> None:
+    """Raise mixprec's TypeError unless ``value`` is an ``expected`` (or None, when ``optional``)."""
+    if (optional and value is None) or isinstance(value, expected):
+        return
+    label = f"{expected.__module__}.{expected.__qualname__}" if expected.__module__ != "builtins" else expected.__name__
+    raise TypeError(
+        message(
+            f"{what} argument {name!r} has the wrong type",
+            f"it must be a {label}" + (" or None" if optional else ""),
+            received={name: value},
+            expected=f"a {label}",
+        )
+    )

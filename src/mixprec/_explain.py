@@ -104,8 +104,8 @@ def explain(
     """
     _devices.spec(device_type)
     policy = _autocast.get_policy(device_type) if policy is None else policy
-    _autocast._check_type("policy", policy, Policy)
-    _autocast._check_type("dtype", dtype, torch.dtype, optional=True)
+    _errors.check_type("policy", policy, Policy)
+    _errors.check_type("dtype", dtype, torch.dtype, optional=True)
     if dtype is not None:
         _devices.check_dtype("explain", device_type, dtype)
     dtype = _autocast.get_autocast_dtype(device_type) if dtype is None else dtype

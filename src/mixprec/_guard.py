@@ -1,50 +1,203 @@
-"""Guards for compiled code: a graph traced under some mixprec settings is not reused under others.
+"""Compiled code and mixprec's state: what a trace must know, guard and refuse.
 
 The kernels at the Autocast keys bake their casts into a traced graph, and dynamo
-does not see mixprec's thread-local settings. ``guard_trace`` runs (eagerly)
-the first time a trace meets a mixprec kernel or region and adds a guard on the
-settings the frame was entered with, so that a call under other settings
-recompiles. A trace that meets no mixprec kernel needs no guard: mixprec cannot
-change what it computes, and ``_kernels.register`` resets dynamo when new
-kernels appear.
+does not see mixprec's thread-local state. Everything here runs eagerly while a
+trace runs, from the places a trace meets mixprec (a region made in the compiled
+code, a module policy, a kernel):
+
+* ``contact``: the first time in a trace, keep mixprec's own functions out of
+  dynamo's frame compilation (``keep_eager``), snapshot mixprec's state at the
+  frame's entry, and put the thread's state back when the trace ends.
+* ``guard_trace``: guard the frame on that snapshot, so a call under other
+  settings recompiles. A trace that meets no mixprec kernel or region needs no
+  guard: mixprec cannot change what it computes, and ``_kernels.register``
+  resets dynamo when new kernels appear.
+* ``refuse_export`` / ``refuse_installed_export``: torch.export keeps torch's
+  autocast state only, so a policy it would drop is refused.
+
+Dynamo's internals used here (``skip_code``, the instruction translator, the
+tracing context's guards, inductor's custom-pass hook) are private; each use
+names what it relies on, and tests/test_compile.py pins them.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from mixprec import _install, _state
+from mixprec import _errors, _install, _state, _tables
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_DYNAMO = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep + "_dynamo" + os.sep
 
 
-def _entry_key() -> tuple[Any, ...]:
-    """This thread's mixprec settings and the installation, as a comparable value (the policies are kept
-    alive by the guard, the installation by _install)."""
-    return (_install.key(), *sorted((device, setting.key) for device, setting in _state.get().active.items()))
+def entry_key() -> tuple[Any, ...]:
+    """This thread's mixprec state as a comparable value: the installation, the settings per device and the
+    module policies (ids; the guard keeps the objects alive)."""
+    state = _state.get()
+    return (
+        _install.key(),
+        tuple(sorted((device, setting.key) for device, setting in state.active.items())),
+        tuple(id(policy) for policy in state.module_policies),
+    )
+
+
+# ---------------------------------------------------------------- the first contact of a trace with mixprec
+
+
+def _code_objects(module: types.ModuleType) -> Iterator[types.CodeType]:
+    """Every code object defined in ``module``: its functions, its classes' methods, their nested functions."""
+    seen: set[int] = set()
+
+    def walk(code: types.CodeType) -> Iterator[types.CodeType]:
+        if id(code) not in seen:
+            seen.add(id(code))
+            yield code
+            for const in code.co_consts:
+                if isinstance(const, types.CodeType):
+                    yield from walk(const)
+
+    def functions(namespace: dict[str, Any], owner: str) -> Iterator[Any]:
+        for value in list(namespace.values()):
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, property):
+                yield from (f for f in (value.fget, value.fset, value.fdel) if f is not None)
+            elif isinstance(value, types.FunctionType) and value.__module__ == owner:
+                yield value
+            elif isinstance(value, type) and value.__module__ == owner:
+                yield from functions(dict(vars(value)), owner)
+
+    for function in functions(dict(vars(module)), module.__name__):
+        yield from walk(function.__code__)
+
+
+_kept: set[str] = set()
+
+
+def keep_eager() -> None:
+    """Never let dynamo compile one of mixprec's own functions as a frame of its own (it still inlines them).
+
+    When dynamo gives up on a frame that holds a mixprec region (a graph break inside it), it runs the frame
+    eagerly and compiles the frames that frame calls: mixprec's entry, exit and kernels must then run
+    eagerly, as the region was opened, not be traced as frames of their own. ``skip_code`` marks a code
+    object so (dynamo's ``eval_frame``; torch 2.13); it is done once per loaded mixprec module, the first
+    time a trace meets mixprec. ``contact`` covers a trace that began at a mixprec frame before this ran.
+    """
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("mixprec.") and name not in _kept]
+    if not modules:
+        return
+    from torch._dynamo.eval_frame import skip_code
+
+    for module in modules:
+        for code in _code_objects(module):
+            skip_code(code)
+        _kept.add(module.__name__)
+
+
+def current_tx() -> Any:
+    """Dynamo's instruction translator for the frame being traced, or None (not under dynamo's tracing)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx()
+    except AttributeError:
+        return None
+
+
+#: The instructions that open a ``with`` statement on the value a call just made (3.10; 3.11-3.13).
+_WITH = ("SETUP_WITH", "BEFORE_WITH")
+
+
+def made_for_with() -> bool:
+    """Whether the object whose ``__new__`` dynamo traces now goes straight into a ``with`` statement.
+
+    Run eagerly from a constant function called by that ``__new__``: the innermost instruction translator on
+    the Python stack traces ``__new__``; above it are dynamo's polyfill that makes user-defined objects and,
+    for a subclass, the subclass's ``__new__``; the next instruction of the frame above those tells.
+    Anything unexpected answers False (the region is then mixprec's object, which is right everywhere).
+    """
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and not isinstance(frame.f_locals.get("self"), InstructionTranslatorBase):
+        frame = frame.f_back
+    if frame is None:
+        return False
+    tx = frame.f_locals["self"]
+    while tx is not None and (
+        (tx.f_code.co_name == "__new__" and tx.f_code.co_filename.startswith(_PACKAGE))
+        or tx.f_code.co_filename.startswith(_DYNAMO)  # its polyfill that makes user-defined objects
+    ):
+        tx = tx.parent
+    if tx is None or tx.instruction_pointer is None or tx.instruction_pointer >= len(tx.instructions):
+        return False
+    return bool(tx.instructions[tx.instruction_pointer].opname in _WITH)
+
+
+def contact() -> None:
+    """Run (eagerly) wherever a trace meets mixprec: a region, a module policy, a kernel.
+
+    The first time in a trace: keep mixprec's frames eager; refuse to trace a frame of mixprec's own (dynamo
+    then runs it eagerly, as its caller did); snapshot mixprec's state at the frame's entry for the guards;
+    and put the thread's state back when the trace ends, since ``push`` runs while tracing.
+    """
+    context = torch._guards.TracingContext.try_get()
+    if context is None or getattr(context, "_mixprec_entry", None) is not None:
+        return
+    keep_eager()
+    tx = current_tx()
+    if tx is not None and tx.output.root_tx.f_code.co_filename.startswith(_PACKAGE):
+        from torch._dynamo.exc import SkipFrame
+
+        raise SkipFrame("mixprec's own functions run eagerly")
+    setattr(context, "_mixprec_entry", entry_key())  # noqa: B010 - a private mark on torch's object
+    if tx is None:  # AOTAutograd or export without dynamo: no trace of ours to restore after
+        return
+    state = _state.get()
+    saved = (dict(state.active), list(state.module_policies))
+
+    def restore() -> None:
+        state.active.clear()
+        state.active.update(saved[0])
+        state.module_policies[:] = saved[1]
+        _state.release(state)
+
+    tx.output.add_cleanup_hook(restore)
+
+
+# ---------------------------------------------------------------- guards
 
 
 def guard_trace() -> None:
-    """Guard the frame being compiled on this thread's mixprec settings at its entry (run eagerly, once a trace).
+    """Guard the frame being compiled on mixprec's state at its entry (run eagerly, once a trace).
 
     The kernels' casts are baked into the graph, so a call under other settings must recompile. Dynamo has no
     public way to add a guard: this adds a lambda guard through the tracing context, as torch's functorch-stack
-    guard does, and puts the settings into inductor's cache key through a custom pass's ``uuid`` (the
-    AOTAutograd cache keys a graph on autocast's enabled flag and dtype only). Called by the kernels and by
-    ``token`` before a region inside the trace changes the settings.
+    guard does, and puts the state into inductor's cache key through a custom pass's ``uuid`` (the
+    AOTAutograd cache keys a graph on autocast's enabled flag and dtype only).
     """
     context = torch._guards.TracingContext.try_get()
-    if context is None or getattr(context, "_mixprec_guarded", False):
+    if context is None:
+        return
+    contact()
+    if getattr(context, "_mixprec_guarded", False):
         return
     setattr(context, "_mixprec_guarded", True)  # noqa: B010 - a private mark on torch's object
-    key = _entry_key()
-    policies = [setting.policy for setting in _state.get().active.values()]  # keep the ids in key valid
-    described = ", ".join(f"{d}: {s.policy.name}" for d, s in _state.get().active.items()) or "none"
+    key = getattr(context, "_mixprec_entry")  # noqa: B009 - set by contact above
+    state = _state.get()
+    alive = (list(state.active.values()), list(state.module_policies))  # keeps the ids in key valid
+    described = ", ".join(f"{d}: {s.policy.name}" for d, s in state.active.items()) or "none"
     from torch._dynamo.source import GlobalStateSource
 
     def create(builder: Any, guard: Any) -> None:
         builder.guard_manager.root.add_lambda_guard(
-            lambda _: _entry_key() == key and policies is not None,
+            lambda _: entry_key() == key and alive is not None,
             [f"mixprec settings == ({described})"],
             guard.user_stack,
         )
@@ -74,3 +227,46 @@ def _key_inductor_cache(key: tuple[Any, ...]) -> None:
     current = config.post_grad_custom_pre_pass
     inner = current.inner if isinstance(current, _SettingsPass) else current
     config.post_grad_custom_pre_pass = _SettingsPass(key, inner)
+
+
+# ---------------------------------------------------------------- export
+
+
+def _changes_categories(setting: _state.Setting) -> bool:
+    return bool(_tables.effective(setting.policy, setting.device_type)[1])
+
+
+def refuse_export(setting: _state.Setting) -> None:
+    """An exported program keeps torch's autocast state, not mixprec's policy: refuse a policy it would drop.
+
+    Emulated compute is not refused: it has native's casts and dtypes, and the exported program runs its
+    low-precision ops on the kernels of the device it is deployed on.
+    """
+    if not torch.compiler.is_exporting() or not _changes_categories(setting):
+        return
+    raise RuntimeError(
+        _errors.message(
+            "This mixprec.autocast region cannot be exported",
+            "torch.export records a region as torch's autocast (device, dtype, enabled, cache), so the "
+            "exported program would apply torch's native categories, not this policy's",
+            received={"policy": setting.policy},
+            fix="Export the float32 model and apply the policy to the program with "
+            "mixprec.graph.apply_policy, or keep the device's default policy inside exported code.",
+        )
+    )
+
+
+def refuse_installed_export(setting: _state.Setting) -> None:
+    """A kernel running under ``mixprec.install`` while torch.export traces: the program would lose the policy."""
+    if not torch.compiler.is_exporting() or not _changes_categories(setting):
+        return
+    raise RuntimeError(
+        _errors.message(
+            "This program cannot be exported under mixprec.install",
+            "torch.export records an autocast region as torch's autocast (device, dtype, enabled, cache), so "
+            "the exported program would follow whatever is installed when it runs, not this policy",
+            received={"policy": setting.policy},
+            fix="Remove the installation before exporting: export the float32 model and apply the policy to "
+            "the program with mixprec.graph.apply_policy.",
+        )
+    )

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _compute, _devices, _state, _tables
+from mixprec import _compute, _devices, _errors, _state, _tables
 from mixprec.policies import Policy
 
 _lock = threading.Lock()
@@ -121,9 +121,9 @@ def install(policy: Policy | None = None, *, compute: str = "auto") -> InstallHa
         torch.float32
         >>> handle.remove()
     """
-    from mixprec import _autocast, _kernels
+    from mixprec import _kernels
 
-    _autocast._check_type("policy", policy, Policy, optional=True)
+    _errors.check_type("policy", policy, Policy, optional=True)
     _compute.check_compute(compute)
     installation = Installation(policy, compute)
     for device, spec in _devices.DEVICES.items():

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _errors, _guard, _install, _recompute, _rules, _state, _tables
+from mixprec import _cast, _errors, _guard, _install, _recompute, _rules, _state, _tables
 from mixprec.policies import Category, Policy
 
 Op = torch._ops.OpOverload
@@ -43,6 +43,7 @@ _registered: dict[str, set[Op]] = {}  # autocast key -> overloads with a mixprec
 _ensured: dict[tuple[str, int, bool, frozenset[str], bool], Policy] = {}
 #: Replaced by ``reset``: a region that ensured its kernels under this generation need not check again.
 generation = object()
+_reset_pending = False  # kernels were registered while a trace ran: dynamo's caches are to be reset
 
 
 def registered(device_type: str) -> frozenset[Op]:
@@ -63,6 +64,10 @@ def _emulated(setting: _state.Setting, op: Op) -> bool:
 
 def ensure(setting: _state.Setting) -> None:
     """Register the kernels ``setting`` needs and does not have yet (memoized per setting)."""
+    global _reset_pending
+    if _reset_pending and not torch.compiler.is_compiling():
+        _reset_pending = False
+        torch._dynamo.reset()  # kernels registered while tracing: graphs compiled before them carry no guard
     if _ensured.get(setting.key) is setting.policy:
         object.__setattr__(setting, "ready", generation)  # a frozen dataclass: the one mutable mark
         return
@@ -108,9 +113,16 @@ def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
             grew = True
         if grew:
             _state.holders.add(_state.KERNELS)  # regions of the default policy must set their setting now
-    if grew and "torch._dynamo" in sys.modules and not torch.compiler.is_compiling():
-        # Graphs compiled before saw no kernel for these ops and carry no guard on mixprec's settings.
-        torch._dynamo.reset()
+            _cast.follow_torch(True)  # the kernels cache as torch does in plain regions: clear with torch
+    if grew and "torch._dynamo" in sys.modules:
+        # Graphs compiled before saw no kernel for these ops and carry no guard on mixprec's settings. While a
+        # trace runs, dynamo cannot be reset: the next eager ``ensure`` does it (a new generation sends every
+        # region there on its next entry).
+        if torch.compiler.is_compiling():
+            global generation, _reset_pending
+            _reset_pending, generation = True, object()
+        else:
+            torch._dynamo.reset()
 
 
 def reset() -> None:
@@ -124,6 +136,7 @@ def reset() -> None:
         _registered.clear()
         _ensured.clear()
         _state.holders.discard(_state.KERNELS)
+        _cast.follow_torch(False)
 
 
 _compiled: dict[tuple[str, int, bool, frozenset[str], bool], tuple[Policy, dict[Op, Entry]]] = {}
@@ -199,6 +212,8 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
                     if in_checkpointed_forward():
                         _recompute.record_native(device_type)
                     return _call(native_entries(device_type), keyset, args, kwargs)
+                if is_compiling():
+                    _guard.refuse_installed_export(setting)
         # In forward, inside a checkpoint: leave the setting for its recompute, which may run after the
         # region, or the installation, is gone.
         if in_checkpointed_forward():

@@ -1,7 +1,9 @@
 """Per-module precision: ``set_module_policy`` and the ``AutocastModule`` wrapper.
 
-``set_module_policy(module, policy)`` registers a forward pre-hook and a forward
-hook. While the module's forward runs (its children's too):
+``set_module_policy(module, policy)`` wraps the module's ``forward``: the
+module's instance attribute ``forward`` becomes a ``PolicyForward`` that runs
+the forward the module had inside the levels of its policies. While the
+module's forward runs (its children's too):
 
 * with a :class:`Policy`, every device whose autocast is on (whoever turned it
   on: ``mixprec.autocast``, ``torch.autocast``, a checkpoint's recompute) uses
@@ -11,41 +13,143 @@ hook. While the module's forward runs (its children's too):
 
 Algorithm::
 
-    pre-hook:  for each device with autocast on: enter a level with the policy
-               (or, for "fp32", cast inputs to float32 and enter a disabled level); push a frame
-    forward:   runs; nested modules push and pop their own frames
-    hook:      if the top frame is this hook's: pop it; leave(its levels)
+    module(*args) -> torch's _call_impl -> module.forward(*args)     (a PolicyForward)
+    for each policy, outermost (first set) first:
+        with a level: for each device with autocast on
+                        Policy: open a level with the setting around, its policy replaced
+                        "fp32": cast the floating inputs to float32, open a level with autocast off
+    run the forward the module had (its class's, or an instance attribute set before)
 
-The hook is registered with ``always_call=True``, so torch calls it also when
-forward raises, and the state is restored on exceptions. The frame check keeps
-it from closing levels its pre-hook never opened (an earlier pre-hook raised).
+Each level is a ``with`` block, so it closes on any exception, KeyboardInterrupt
+and SystemExit included (torch runs a forward hook only for ``Exception``).
+Under torch.compile dynamo inlines the wrapper; a graph break inside the module
+makes it run the frame eagerly and compile the module's forward as a frame of its
+own, under the levels (module hooks entered with function calls could not
+carry the state across the break). A direct call of ``module.forward`` is
+covered too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
+import inspect
 from typing import Any
 
 import torch
 
-from mixprec import _autocast, _custom, _devices, _errors, _install, _recompute, _state
+from mixprec import _autocast, _cast, _compile, _devices, _errors, _recompute, _state
 from mixprec.policies import Policy
 
 FP32 = "fp32"
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
 
 
-def _enabled_devices() -> list[str]:
-    """The device types whose autocast is on in this thread (torch's state)."""
-    return [d for d in _devices.DEVICES if _devices.torch_knows(d) and torch.is_autocast_enabled(d)]
+class _Level:
+    """The levels one module policy opens around its module's forward (a context manager)."""
+
+    def __init__(self, policy: Policy | str) -> None:
+        self.policy = policy
+        self.devices: tuple[str, ...] = ()
+        self.opened: list[Any] = []  # traced: the level contexts; eager: one entry per level opened
+
+    def __enter__(self) -> _Level:
+        policy = self.policy
+        if _dynamo_compiling():
+            self.devices = _compile.enabled_devices()
+            for device in self.devices:
+                dtype, cache = torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled()
+                if isinstance(policy, Policy):
+                    token = _compile.module_token(device, policy)
+                    opened = _autocast.level(device, None, dtype, True, cache, token)
+                else:
+                    opened = _autocast.level(device, None, dtype, False, cache)
+                opened.__enter__()
+                self.opened.append(opened)
+            if isinstance(policy, Policy):
+                _compile.push_module(_compile.policy_token(policy))
+            return self
+        state = _state.get()
+        self.devices = tuple(_devices.enabled())
+        try:
+            for device in self.devices:
+                dtype, cache = torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled()
+                if isinstance(policy, Policy):
+                    setting = _state.module_setting(device, policy, _recompute.around(device))
+                    _autocast.enter(device, setting, dtype, True, cache)
+                else:
+                    _autocast.enter(device, None, dtype, False, cache)
+                self.opened.append(device)
+        except BaseException:
+            _autocast.leave(state, len(self.opened))
+            raise
+        if isinstance(policy, Policy):
+            state.module_policies.append(policy)  # regions opened inside take it (autocast.__enter__)
+            _state.hold(state)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if _dynamo_compiling():
+            if isinstance(self.policy, Policy):
+                _compile.pop_module()
+            for opened in reversed(self.opened):
+                opened.__exit__(*exc_info)
+            return
+        state = _state.get()
+        _autocast.leave(state, len(self.opened))
+        if isinstance(self.policy, Policy):
+            state.module_policies.pop()
+            _state.release(state)
+
+    def cast(self, value: Any) -> Any:
+        """An argument with its floating tensors on the level's devices cast to float32 (``"fp32"`` only)."""
+        if self.policy != FP32:
+            return value
+        for device in self.devices:
+            value = _cast.cast_tree(value, device, torch.float32)
+        return value
 
 
-class _Frames(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[tuple[object, int, bool]] = []  # (hook token, levels opened, pushed a policy)
+class PolicyForward:
+    """A module's ``forward`` under ``set_module_policy``: its policies' levels around the forward it had.
 
+    It stands in for the bound method it wraps: ``__wrapped__``, ``__signature__`` and ``__name__`` are
+    the original's, so code that inspects ``module.forward`` (a trainer that drops unused input columns)
+    sees the real parameters.
+    """
 
-_frames = _Frames()
+    def __init__(self, module: torch.nn.Module, inner: Any) -> None:
+        self.module = module
+        self.inner = inner  # the instance attribute ``forward`` the module had, or None: its class's forward
+        self.policies: list[tuple[object, Policy | str]] = []  # (handle token, policy), outermost first
+
+    @property
+    def __wrapped__(self) -> Any:
+        inner = self.inner
+        return inner if inner is not None else type(self.module).forward.__get__(self.module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__wrapped__)
+
+    @property
+    def __name__(self) -> str:
+        return str(getattr(self.__wrapped__, "__name__", "forward"))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(0, list(self.policies), args, kwargs)
+
+    def _run(self, index: int, policies: list[tuple[object, Policy | str]], args: Any, kwargs: Any) -> Any:
+        if index == len(policies):
+            inner = self.inner
+            if inner is None:
+                return type(self.module).forward(self.module, *args, **kwargs)
+            return inner(*args, **kwargs)
+        with _Level(policies[index][1]) as level:
+            return self._run(index + 1, policies, level.cast(args), level.cast(kwargs))
+
+    def __repr__(self) -> str:
+        names = ", ".join(p if isinstance(p, str) else p.name for _, p in self.policies)
+        return f"<forward of {type(self.module).__name__} under mixprec module policies [{names}]>"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -56,26 +160,20 @@ class ModulePolicyHandle:
     """
 
     policy: Policy | str
-    _hooks: tuple[Any, ...]
+    _forward: PolicyForward
     _token: object
 
     def remove(self) -> None:
-        """Unregister the hooks; calling it again does nothing.
-
-        Raises:
-            RuntimeError: if called while the module's forward runs in this thread,
-                where removing the hook would leave the policy in force.
-        """
-        if any(frame[0] is self._token for frame in _frames.stack):
-            raise RuntimeError(
-                _errors.message(
-                    "Cannot remove a module policy now",
-                    "the module's forward is running, and its policy is undone only when forward returns",
-                    fix="Call remove() after the module's forward has returned.",
-                )
-            )
-        for hook in self._hooks:
-            hook.remove()
+        """Take the policy off; calling it again does nothing. A call of the module running now keeps its
+        levels until it returns; later calls run without the policy."""
+        forward = self._forward
+        forward.policies[:] = [entry for entry in forward.policies if entry[0] is not self._token]
+        module = forward.module
+        if not forward.policies and module.__dict__.get("forward") is forward:
+            if forward.inner is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = forward.inner
 
     def __enter__(self) -> ModulePolicyHandle:
         return self
@@ -112,8 +210,11 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
     The policy applies to autocast regions open around the call; with no region
     open, ops run as they would (``"fp32"`` casts nothing then). Setting a
     second policy on the same module nests it inside the first until removed.
-    It works through module hooks, so it covers calls ``module(...)``, not
-    direct calls of ``module.forward``.
+    It wraps the module's ``forward`` (an instance attribute, taken off again by
+    ``remove()``), so calls ``module(...)`` and ``module.forward(...)`` are
+    covered, and the levels close on any exception, KeyboardInterrupt included.
+    Arguments pass through as they are: ``"fp32"`` casts the tensors among them,
+    also inside lists, tuples and dicts, and rebuilds no other object.
 
     Args:
         module: The module whose forward (children included) the policy covers.
@@ -132,51 +233,13 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
         >>> handle.remove()
     """
     _check(module, policy)
+    forward = module.__dict__.get("forward")
+    if not (isinstance(forward, PolicyForward) and forward.module is module):
+        forward = PolicyForward(module, forward)
+        module.__dict__["forward"] = forward
     token = object()
-
-    def pre_hook(mod: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-        state = _state.get()
-        devices = _enabled_devices()
-        for entered, device in enumerate(devices):
-            dtype, cache = torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled()
-            try:
-                if isinstance(policy, Policy):
-                    current = state.active.get(device) or _recompute.setting(device) or _install.setting(device)
-                    setting = (
-                        _state.Setting(device, policy, from_module=True)
-                        if current is None
-                        else dataclasses.replace(current, policy=policy, from_module=True)
-                    )
-                    _autocast.enter(device, setting, dtype, True, cache)
-                else:
-                    args = _custom._cast_inputs(args, device, torch.float32)
-                    kwargs = _custom._cast_inputs(kwargs, device, torch.float32)
-                    _autocast.enter(device, None, dtype, False, cache)
-            except BaseException:  # the hook closes only what a finished pre-hook opened: close these levels
-                _autocast.leave(state, entered)
-                raise
-        if isinstance(policy, Policy):
-            state.module_policies.append(policy)  # regions opened inside take it (autocast.__enter__)
-            _state.hold(state)
-        _frames.stack.append((token, len(devices), isinstance(policy, Policy)))
-        return args, kwargs
-
-    def hook(mod: torch.nn.Module, args: Any, output: Any) -> None:
-        stack = _frames.stack
-        if not stack or stack[-1][0] is not token:
-            return
-        _, levels, pushed = stack.pop()
-        state = _state.get()
-        _autocast.leave(state, levels)
-        if pushed:
-            state.module_policies.pop()
-            _state.release(state)
-
-    hooks = (
-        module.register_forward_pre_hook(pre_hook, with_kwargs=True),
-        module.register_forward_hook(hook, prepend=True, always_call=True),
-    )
-    return ModulePolicyHandle(policy, hooks, token)
+    forward.policies.append((token, policy))
+    return ModulePolicyHandle(policy, forward, token)
 
 
 class AutocastModule(torch.nn.Module):
@@ -208,7 +271,7 @@ class AutocastModule(torch.nn.Module):
         self.region = _autocast.autocast(device_type, dtype, enabled, cache_enabled, policy=policy)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with self.region:
+        with self.region._fresh():
             return self.module(*args, **kwargs)
 
     def extra_repr(self) -> str:

@@ -135,6 +135,15 @@ def _leave(device_type: str, value: Any) -> None:
     settings.setdefault(device_type, value)
 
 
+def around(device_type: str) -> _state.Setting | None:
+    """The setting ops on ``device_type`` run under here: the thread's, else a recompute's, else the installed one
+    (None: torch's native behaviour, also where a recompute's forward left ``NATIVE``)."""
+    found = _state.get().active.get(device_type) or setting(device_type)
+    if found is NATIVE:
+        return None
+    return found or _install.setting(device_type)
+
+
 def setting(device_type: str) -> Any:
     """In a recompute: the setting its forward left for ``device_type``, ``NATIVE``, or None (none was left)."""
     if torch.compiler.is_compiling() or torch._C._current_graph_task_id() < 0:

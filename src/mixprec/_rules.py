@@ -5,7 +5,7 @@ the Autocast key, casts, and calls the op with that key excluded (so the cast
 op's own autocast kernel does not run again, and composites below it are not
 autocast, as natively)::
 
-    lower_precision_fp   cast eligible tensors to the autocast dtype (weights through the cache)
+    lower_precision_fp   cast eligible tensors to the autocast dtype (weights through a cache, _cast)
     fp32                 cast eligible tensors to float32
     fp32_set_opt_dtype   if the first tensor is eligible and dtype is None: dtype=float32
     fp32_append_dtype    if the first tensor is eligible: the sibling overload that adds dtype=float32
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _cast, _emulate, _errors, _state
+from mixprec import _cast, _emulate, _errors
 from mixprec.policies import Category
 
 _float32 = torch.float32
@@ -31,25 +31,8 @@ Op = Any  # torch._ops.OpOverload
 Rule = Callable[[Op, str, torch.dtype, bool, tuple[Any, ...], dict[str, Any]], Any]
 
 
-def _use_cache() -> bool:
-    """Whether to reuse weight casts: inside a mixprec region, whose exit clears the cache.
-
-    Native caches whenever the cache is on. mixprec's cache lives only while a mixprec region is open in the
-    thread: a plain ``torch.autocast`` region (a framework's, under ``install``) and a checkpoint's recompute
-    end where mixprec cannot see it, and a fused optimizer updates weights in place without moving their
-    version counters, so a cast kept past the region could be stale. It is also skipped under no_grad (a
-    copy made there has no autograd history) and in traces (a graph computes each cast once anyway).
-    """
-    return (
-        bool(_state._state.frames)
-        and torch.is_autocast_cache_enabled()
-        and torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-    )
-
-
 def lower_precision_fp(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-    cache = _cast.thread_cache() if _use_cache() else None
+    cache = _cast.cache_for_call()
     cast, cast_kwargs = _cast.cast_call(args, kwargs, dtype, device, cache)
     if emulate:
         return _emulate.call(dtype, op, cast, cast_kwargs, original=(args, kwargs))

@@ -41,6 +41,14 @@ class Setting:
         return (self.device_type, id(self.policy), self.emulate, self.emulate_ops, self.from_module)
 
 
+def module_setting(device_type: str, policy: Policy, around: Setting | None) -> Setting:
+    """The setting a module policy puts in force on ``device_type``: the one ``around`` it (its compute), with the
+    module's policy."""
+    if around is None:
+        return Setting(device_type, policy, from_module=True)
+    return dataclasses.replace(around, policy=policy, from_module=True)
+
+
 _settings: dict[tuple[str, int, bool, frozenset[str]], Setting] = {}
 
 

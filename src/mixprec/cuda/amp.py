@@ -19,6 +19,9 @@ __all__ = ["GradScaler", "autocast", "custom_bwd", "custom_fwd"]
 class autocast(_autocast):  # noqa: N801 - torch's name
     """``torch.cuda.amp.autocast``: mixprec.autocast on CUDA (default float16)."""
 
+    def __new__(cls, enabled: bool = True, dtype: torch.dtype = torch.float16, cache_enabled: bool = True) -> Any:
+        return _autocast.__new__(cls, "cuda", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
     def __init__(self, enabled: bool = True, dtype: torch.dtype = torch.float16, cache_enabled: bool = True) -> None:
         super().__init__("cuda", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
