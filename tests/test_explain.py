@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import mixprec
+from _opsamples import POLICIES as TABLE_POLICIES
+from _opsamples import UNREACHABLE, samples
 
 CPU, CUDA = mixprec.policies.CPU, mixprec.policies.CUDA
 bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -191,3 +193,97 @@ def test_explanation_is_a_frozen_dataclass():
 def test_bad_input(kwargs, error, pattern):
     with pytest.raises(error, match=pattern):
         mixprec.explain(**kwargs)
+
+
+# ---------------------------------------------------------------- explain against execution, every table op
+
+
+MIXES = {"fp32": (f32,), "bf16": (bf16,), "fp32+bf16": (f32, bf16), "fp64+fp32": (f64, f32), "bf16+fp64": (bf16, f64)}
+
+
+def _in_dtypes(value, dtypes):
+    """The floating tensors of a sample in ``dtypes``, in order (the last one repeats)."""
+    wanted, last = iter(dtypes), [None]
+
+    def one(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            last[0] = next(wanted, last[0])
+            return v.to(last[0])
+        if isinstance(v, (list, tuple)):
+            return type(v)(one(x) for x in v)
+        if isinstance(v, dict):
+            return {k: one(x) for k, x in v.items()}
+        return v
+
+    return one(value)
+
+
+def _outcome_of(region, packet, args, kwargs):
+    torch.manual_seed(0)
+    with region:
+        try:
+            out = packet(*args, **kwargs)
+        except Exception:
+            return "raises"
+    leaves = torch.utils._pytree.tree_leaves(out)
+    floating = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return floating[0].dtype if floating else None
+
+
+@pytest.mark.parametrize("autocast_dtype", [bf16, f16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("policy_name", TABLE_POLICIES)
+def test_explain_agrees_with_execution_for_every_table_op(policy_name, autocast_dtype):
+    policy = getattr(mixprec.policies, policy_name)
+    names = sorted({n.split("::")[-1].split(".")[0] for n in policy.table})
+    mismatches, declined, checked = [], [], 0
+    for name in names:
+        if name in UNREACHABLE or not hasattr(torch.ops.aten, name) or not samples(name, f32):
+            continue
+        packet = getattr(torch.ops.aten, name)
+        args, kwargs = samples(name, f32)[0]
+        for mix, dtypes in MIXES.items():
+            call_args, call_kwargs = _in_dtypes(args, dtypes), _in_dtypes(kwargs, dtypes)
+            why = mixprec.explain(packet, "cpu", policy, dtype=autocast_dtype, example=call_args,
+                                  example_kwargs=call_kwargs)
+            got = _outcome_of(mixprec.autocast("cpu", dtype=autocast_dtype, policy=policy, compute="native"),
+                              packet, call_args, call_kwargs)
+            if why.runs_in is None and why.raises is None:  # declined: a composite whose callees decide
+                declined.append(f"{name}[{mix}]")
+                continue
+            checked += 1
+            expected = "raises" if why.raises is not None else why.runs_in
+            if expected != got:
+                mismatches.append(f"{name}[{mix}]: explain {expected} ({why.raises or why.note}), ran {got}")
+    assert not mismatches, "\n".join(mismatches)
+    assert checked > 4 * len(declined), f"explain declined too often: {declined}"
+
+
+@pytest.mark.parametrize(
+    ("op", "policy", "inputs", "expected"),
+    [
+        ("mm", CPU, (f32, f64), "raises"),
+        ("index_copy", CUDA, (bf16, f32), "raises"),
+        ("index_copy", mixprec.policies.XPU, (bf16, torch.int64, f32), "raises"),
+        (torch.norm, mixprec.policies.CUDA_DOCUMENTED, (bf16,), bf16),
+        (torch.linalg.vector_norm, CUDA, (bf16,), f32),
+    ],
+    ids=["mm-f32-f64", "index_copy-cuda", "index_copy-xpu-with-index-dtype", "torch.norm-documented", "vector_norm"],
+)
+def test_explain_without_an_example_runs_the_op(op, policy, inputs, expected):
+    """The issue's three wrong predictions, each against execution (no example: explain makes the call)."""
+    why = mixprec.explain(op, "cpu", policy, input_dtypes=inputs)
+    assert ("raises" if why.raises is not None else why.runs_in) == expected, why
+    if op is torch.norm:
+        assert why.op == "linalg_vector_norm" and "reaches aten::linalg_vector_norm" in why.note
+        with mixprec.autocast("cpu", policy=policy):
+            assert torch.norm(torch.randn(3).bfloat16()).dtype is expected
+
+
+def test_explain_changes_nothing_in_the_process():
+    from mixprec import _kernels
+
+    before = _kernels.registered("cpu")
+    state = (torch.random.get_rng_state(), torch.is_autocast_enabled("cpu"))
+    mixprec.explain("dropout", "cpu", CPU.with_ops(fp32=["dropout", "mm"]), input_dtypes=(bf16,))
+    assert _kernels.registered("cpu") == before
+    assert torch.equal(torch.random.get_rng_state(), state[0]) and torch.is_autocast_enabled("cpu") is state[1]

@@ -315,5 +315,6 @@ def test_a_table_that_drifted_from_torch_warns_once_and_explain_follows_torch(mo
         _tables.check_native("cpu")
     _tables.check_native("cpu")  # once only: pytest turns a second MixprecWarning into an error
     monkeypatch.setattr(_tables, "native", lambda device: {})
+    monkeypatch.setattr(_tables, "_by_policy", {})  # effective tables memoized against the real torch
     why = mixprec.explain("mm", "cpu", mixprec.policies.CPU)
     assert why.category is None and why.runs_in is F32

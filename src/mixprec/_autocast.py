@@ -35,6 +35,7 @@ _is_cached, _set_cached = torch.is_autocast_cache_enabled, torch.set_autocast_ca
 _increment_nesting, _decrement_nesting = torch.autocast_increment_nesting, torch.autocast_decrement_nesting
 _clear_cache = _cast.clear_autocast_cache  # torch's, and mixprec's mirror of torch's cache
 _holders = _state.holders
+_NO_OPS: frozenset[str] = frozenset()
 
 
 class _Made(type):
@@ -161,7 +162,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             _, self.fast_dtype, self._enabled, self._cache_enabled, self._token = _compile.plan(
                 device_type, dtype, enabled, cache, policy, compute, False
             )
-            self._emulate, self._emulate_ops = False, frozenset[str]()
+            self._emulate, self._emulate_ops = False, _NO_OPS
             self._traced: list[tuple[int, Any]] = []  # per open level: the token around it, torch's region
             return
         spec = _devices.spec(device_type)

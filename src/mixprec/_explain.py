@@ -2,26 +2,33 @@
 
 Algorithm::
 
-    entry    = the op's own name if the policy lists it, else its op's name
-               (``aten::mm.default`` -> ``mm``), else none
-    category = policy.table[entry]
-    (the device's default policy: only if torch has an Autocast kernel for the op, as
-     mixprec then leaves the op to torch; see _tables.check_native)
-    runs_in  = the category's rule in _rules applied to the input dtypes:
-               eligible inputs (floating, not float64) are cast, then torch's
-               type promotion gives the dtype the op computes and returns in
+    call     = the ATen call the op makes (_explain_run): with the example given, or with arguments made
+               from its schema; a Python callable is traced to the ATen op it reaches (torch.norm(x)
+               reaches aten::linalg_vector_norm, which explain then explains)
+    entry    = the overload's own name if the policy lists it, else its op's name, else none
+    category = the category the kernels apply to the overload: the policy's effective table
+               (_tables.effective: a default table counts only where torch has an Autocast kernel)
+    outcome  = the call run on small real tensors of the input dtypes, through the rule the kernels apply
+               (_kernels.rule_for): the dtype it runs in, or the error it raises. An op with no category
+               whose decomposition reaches ops with one is not run: they are named instead.
     source   = "user change" if entry differs from the policy's base,
                else the base's kind: "default table" or "documented table"
+
+Where no call can be made (an op whose arguments the schema does not tell, and no
+example), the category's casts and torch's type promotion give the dtype, and
+``note`` says so.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import torch
+import torch.utils._pytree
 
-from mixprec import _autocast, _devices, _errors, _tables
+from mixprec import _autocast, _devices, _errors, _explain_run, _kernels, _tables
 from mixprec.policies import _names, _serial
 from mixprec.policies._policy import Category, Policy
 
@@ -86,16 +93,27 @@ def explain(
     policy: Policy | None = None,
     *,
     dtype: torch.dtype | None = None,
-    input_dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+    input_dtypes: tuple[torch.dtype, ...] | None = None,
+    example: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> Explanation:
     """Explain what autocast does with ``op``: its category, the dtype it runs in, and why.
 
+    The answer comes from running the op on small tensors of ``input_dtypes``, through the rule mixprec's
+    kernels apply (nothing is registered, and nothing changes in the process): with ``example``'s arguments
+    if given, else with arguments made from the op's schema.
+
     Args:
-        op: An op name, torch callable or ``torch.ops`` packet/overload.
+        op: An op name, torch callable or ``torch.ops`` packet/overload. A Python callable is explained by
+            the ATen op its call reaches (``torch.norm(x)`` reaches ``aten::linalg_vector_norm``).
         device_type: The autocast device.
         policy: The policy to ask; defaults to the one in force for ``device_type``.
         dtype: The autocast dtype; defaults to the one in force for ``device_type``.
-        input_dtypes: The dtypes of the op's tensor inputs (all on ``device_type``).
+        input_dtypes: The dtypes of the op's floating tensor inputs, first input first (the last one repeats
+            for the rest). Default: the example's, else float32.
+        example: Positional arguments of a call of ``op`` (tensors, values), when its schema does not tell
+            explain what to pass, or to ask about exactly that call.
+        example_kwargs: Keyword arguments of that call.
 
     Example:
         >>> why = mixprec.explain(torch.softmax, "cpu", mixprec.policies.CUDA)
@@ -106,22 +124,43 @@ def explain(
     policy = _autocast.get_policy(device_type) if policy is None else policy
     _errors.check_type("policy", policy, Policy)
     _errors.check_type("dtype", dtype, torch.dtype, optional=True)
+    _errors.check_type("example", example, tuple, optional=True, what="explain")
+    _errors.check_type("example_kwargs", example_kwargs, dict, optional=True, what="explain")
     if dtype is not None:
         _devices.check_dtype("explain", device_type, dtype)
     dtype = _autocast.get_autocast_dtype(device_type) if dtype is None else dtype
-    inputs = _input_dtypes(input_dtypes)
-    name = _names.op_name(_names.dispatched(op), policy.table)
-    entry = next((n for n in _entries(name) if n in policy.table), None)
-    category = None if entry is None else policy.table[entry]
-    if category is not None and not _torch_applies(policy, device_type, name):
-        entry, category = None, None
-    cast, runs_in, raises = _run(category, dtype, inputs, policy, entry)
-    note = None
+    asked = _names.dispatched(op)
+    name = _names.op_name(asked, policy.table)
+    args, kwargs = example or (), example_kwargs or {}
+    if input_dtypes is None and example is not None:
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+        found = [t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        input_dtypes = tuple(found) or (_float32,)
+    inputs = _input_dtypes((_float32,) if input_dtypes is None else input_dtypes)
+    call = _call(asked, name, len(inputs), example is not None, args, kwargs)
+    notes = []
+    if call is not None and call.op.overloadpacket._qualified_op_name != _packet_of(name):
+        notes.append(f"{_describe(asked)} reaches {_tables.qualified(call.op)} with these inputs")
+        name = _names.op_name(call.op.overloadpacket, policy.table)
+    names = _entries(name if call is None else _names.op_name(call.op, policy.table)) + _entries(name)
+    entry = next((n for n in names if n in policy.table), None)
+    category = _category(policy, device_type, name, entry, call)
+    if category is None:
+        entry = None  # unlisted, or listed where torch applies no kernel (a default table: see _category)
     if category is None and "::" in name and not name.startswith("aten::"):
-        runs_in, note = None, _CUSTOM_NOTE
-    elif "." not in name and any(k.startswith((f"aten::{name}.", f"{name}.")) for k in policy.table):
-        overloads = sorted(k for k in policy.table if k.startswith((f"aten::{name}.", f"{name}.")))
-        runs_in, note = None, _OVERLOAD_NOTE.format(overloads=", ".join(overloads))
+        cast, runs_in, raises = inputs, None, None
+        notes.append(_CUSTOM_NOTE)
+    elif call is None:
+        cast, runs_in, raises = _run(category, dtype, inputs, policy, entry)
+        notes.append(_UNRUN_NOTE)
+    elif category is None and (reached := _explain_run.callees(call, _tables.effective(policy, device_type)[0])):
+        cast, runs_in, raises = inputs, None, None
+        listed = ", ".join(sorted({f"{_tables.qualified(o)} ({c.value})" for o, c in reached}))
+        notes.append(_COMPOSITE_NOTE.format(callees=listed))
+    else:
+        rule = None if category is None else _kernels.rule_for(policy, call.op, category)
+        outcome = _explain_run.run(call, _run_device(device_type), dtype, rule, inputs)
+        cast, runs_in, raises = outcome.cast_inputs, outcome.runs_in, outcome.raises
     return Explanation(
         op=name,
         entry=entry,
@@ -131,10 +170,10 @@ def explain(
         device_type=device_type,
         dtype=dtype,
         input_dtypes=inputs,
-        cast_inputs=cast,
+        cast_inputs=tuple(cast),
         runs_in=runs_in,
         raises=raises,
-        note=note,
+        note="; ".join(notes) or None,
     )
 
 
@@ -144,11 +183,62 @@ _CUSTOM_NOTE = (
     "Policy.with_ops to fix its dtype."
 )
 
-
-_OVERLOAD_NOTE = (
-    "the policy lists overloads of this op on their own ({overloads}); a call takes their category when it "
-    "reaches one of them at the dispatcher (torch.softmax(x, -1) reaches aten::softmax.int), else this one."
+_COMPOSITE_NOTE = (
+    "an op with no category that decomposes into ops with one: under autocast those are cast by their own "
+    "categories: {callees}. Explain them, or give this op a category with Policy.with_ops"
 )
+
+_UNRUN_NOTE = (
+    "explain could not make a call of this op from its schema, so the dtype is the category's casts under "
+    "torch's type promotion (an op that needs equal input dtypes raises instead); pass example= to run it"
+)
+
+
+def _packet_of(name: str) -> str:
+    qualified = name if "::" in name else f"aten::{name}"
+    return qualified.split(".")[0]
+
+
+def _describe(op: object) -> str:
+    if isinstance(op, str):
+        return op
+    module = getattr(op, "__module__", None) or ""
+    return f"{module}.{getattr(op, '__qualname__', repr(op))}".lstrip(".")
+
+
+def _call(
+    asked: object, name: str, count: int, given: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> _explain_run.Call | None:
+    """The ATen call to run for ``asked`` (see ``_explain_run``), or None."""
+    if callable(asked) and not isinstance(asked, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        if given:
+            return _explain_run.traced(asked, args, kwargs)
+        for shape in _explain_run.SHAPES:
+            tensors = tuple(_explain_run.Spec(shape, _float32, True) for _ in range(count))
+            found = _explain_run.traced(asked, tensors, {})
+            if found is not None:
+                return found
+    qualified = name if "::" in name else f"aten::{name}"
+    if given:
+        return _explain_run.from_example(asked, qualified, args, kwargs)
+    return _explain_run.synthesize(qualified)
+
+
+def _category(
+    policy: Policy, device_type: str, name: str, entry: str | None, call: _explain_run.Call | None
+) -> Category | None:
+    """The category the kernels apply: the effective table's for the call's overload where the device's
+    Autocast key is reachable; otherwise the entry's (a default table's only where torch has a kernel)."""
+    if call is not None and _tables.autocast_key(device_type) is not None:
+        return _tables.effective(policy, device_type)[0].get(call.op)
+    if entry is None or not _torch_applies(policy, device_type, name):
+        return None
+    return policy.table[entry]
+
+
+def _run_device(device_type: str) -> str:
+    """The device explain runs its tensors on: the autocast device where it is here, else the CPU standing in."""
+    return device_type if _devices.spec(device_type).available() else "cpu"
 
 
 def _torch_applies(policy: Policy, device_type: str, name: str) -> bool:

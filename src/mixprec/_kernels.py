@@ -143,14 +143,18 @@ _compiled: dict[tuple[str, int, bool, frozenset[str], bool], tuple[Policy, dict[
 _native: dict[str, dict[Op, Entry]] = {}
 
 
+def rule_for(policy: Policy, op: Op, category: Category) -> _rules.Rule:
+    """The rule a kernel applies to ``op`` under ``policy`` (a banned op's carries the policy's advice)."""
+    if category is Category.BANNED:
+        return _rules.banned(policy.advice(_banned_name(policy, op)))
+    return _rules.RULES[category]
+
+
 def _entries(policy: Policy, table: dict[Op, Category], setting: _state.Setting | None) -> dict[Op, Entry]:
     out: dict[Op, Entry] = {}
     for op, category in table.items():
-        if category is Category.BANNED:
-            out[op] = (_rules.banned(policy.advice(_banned_name(policy, op))), False)
-        else:
-            emulate = setting is not None and category is _LOWER and _emulated(setting, op)
-            out[op] = (_rules.RULES[category], emulate)
+        emulate = setting is not None and category is _LOWER and _emulated(setting, op)
+        out[op] = (rule_for(policy, op, category), emulate)
     return out
 
 
