@@ -125,7 +125,9 @@ def nested(draw: Any, items: list[Any], used: list[str], depth: int = 0) -> list
 
 
 @st.composite
-def programs(draw: Any) -> Program:
+def programs(draw: Any, names: tuple[str, ...] | None = None, install: bool = True) -> Program:
+    """A random program over ``names`` (default: every drawable op), sometimes under ``mixprec.install``."""
+    names = names or drawable()
     torch.manual_seed(draw(st.integers(0, 2**16)))
     leaves: list[torch.Tensor] = [torch.randn(shape).requires_grad_() for shape in SHARED.values()]
     shared = {name: Ref("leaf", i) for i, name in enumerate(SHARED)}
@@ -162,7 +164,7 @@ def programs(draw: Any) -> Program:
             floating.append(len(calls) - 1)
             used.append(op.partition("::")[2])
             continue
-        name = draw(st.sampled_from(drawable()))
+        name = draw(st.sampled_from(names))
         dtype = draw(st.sampled_from(DTYPES))
         found = samples(name, dtype) or samples(name, torch.float32)
         if not found:
@@ -176,10 +178,10 @@ def programs(draw: Any) -> Program:
     body = draw(nested(calls, used))
     if draw(st.integers(0, 9)) < 7:  # most programs run inside some region
         body = [Region(body=tuple(body), **draw(regions(used)))]
-    install = None
-    if draw(st.integers(0, 9)) == 0:
-        install = (draw(policies(used)), draw(st.sampled_from(["native", "emulated"])))
-    return Program(tuple(leaves), tuple(body), install)
+    installed = None
+    if install and draw(st.integers(0, 9)) == 0:
+        installed = (draw(policies(used)), draw(st.sampled_from(["native", "emulated"])))
+    return Program(tuple(leaves), tuple(body), installed)
 
 
 # ---------------------------------------------------------------- running a program through the engine
