@@ -125,8 +125,9 @@ def nested(draw: Any, items: list[Any], used: list[str], depth: int = 0) -> list
 
 
 @st.composite
-def programs(draw: Any, names: tuple[str, ...] | None = None, install: bool = True) -> Program:
-    """A random program over ``names`` (default: every drawable op), sometimes under ``mixprec.install``."""
+def programs(draw: Any, names: tuple[str, ...] | None = None, install: bool = True, random: bool = True) -> Program:
+    """A random program over ``names`` (default: every drawable op), sometimes under ``mixprec.install``;
+    ``random=False``: no sample that draws random numbers (a dropout probability)."""
     names = names or drawable()
     torch.manual_seed(draw(st.integers(0, 2**16)))
     leaves: list[torch.Tensor] = [torch.randn(shape).requires_grad_() for shape in SHARED.values()]
@@ -167,6 +168,8 @@ def programs(draw: Any, names: tuple[str, ...] | None = None, install: bool = Tr
         name = draw(st.sampled_from(names))
         dtype = draw(st.sampled_from(DTYPES))
         found = samples(name, dtype) or samples(name, torch.float32)
+        if not random:
+            found = tuple(f for f in found if not f[1].get("dropout_p"))
         if not found:
             continue
         args, kwargs = draw(st.sampled_from(found))

@@ -212,7 +212,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         if _dynamo_compiling():
             around = _compile.current(self.device)
             _compile.push(self._token)
-            entered = _compile.torch_region(self.device, self.fast_dtype, True, self._cache_enabled)
+            entered = _compile.torch_region(self.device, self.fast_dtype, self._enabled, self._cache_enabled)
             entered.__enter__()
             self._traced.append((around, entered))
             return self

@@ -169,7 +169,7 @@ def plan(
         )
     fast = spec.default_dtype if dtype is None else dtype
     if not (enabled and _devices.usable(spec, fast)):
-        return (True, fast, False, cache_enabled, 0)
+        return (_guard.torch_regions_traceable(), fast, False, cache_enabled, 0)
     state = _state.get()
     if policy is None:  # the innermost module policy, else the installed one, else the device's default
         policy = (state.module_policies[-1] if state.module_policies else None) or _install.policy()
@@ -182,7 +182,7 @@ def plan(
     installed = None if _install.current is None else _install.current.setting(device_type, fast)
     around = (state.active.get(device_type), installed)
     if _native_equivalent(setting):
-        if entered and all(_native_equivalent(s) for s in around):
+        if entered and all(_native_equivalent(s) for s in around) and _guard.torch_regions_traceable():
             return (True, fast, True, cache_enabled, 0)
     else:
         _guard.refuse_export(setting)

@@ -22,6 +22,7 @@ names what it relies on, and tests/test_compile.py pins them.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import types
@@ -108,6 +109,19 @@ def current_tx() -> Any:
         return InstructionTranslator.current_tx()
     except AttributeError:
         return None
+
+
+@functools.cache
+def torch_regions_traceable() -> bool:
+    """Whether dynamo can take a ``torch.autocast`` returned by a user class's ``__new__``.
+
+    Its polyfill that makes user-defined objects asks ``isinstance(obj, cls)`` of the result, which needs
+    ``AutocastModeVariable.python_type``: torch 2.13 and 2.15 have it, 2.10 does not (there, dynamo refuses
+    with "builtin isinstance() cannot determine type of argument"; such regions stay mixprec's objects).
+    """
+    from torch._dynamo.variables.ctx_manager import AutocastModeVariable
+
+    return "python_type" in vars(AutocastModeVariable)
 
 
 #: The instructions that open a ``with`` statement on the value a call just made (3.10; 3.11-3.13).
