@@ -246,41 +246,30 @@ def _key_inductor_cache(key: tuple[Any, ...]) -> None:
 # ---------------------------------------------------------------- export
 
 
-def _changes_categories(setting: _state.Setting) -> bool:
-    return bool(_tables.effective(setting.policy, setting.device_type)[1])
+_RECORDED = "torch.export records an autocast region as torch's autocast (device, dtype, enabled, cache), so "
+_APPLY = "export the float32 model and apply the policy to the program with mixprec.graph.apply_policy"
 
 
-def refuse_export(setting: _state.Setting) -> None:
-    """An exported program keeps torch's autocast state, not mixprec's policy: refuse a policy it would drop.
+def _refuse(setting: _state.Setting, what: str, loses: str, fix: str) -> None:
+    """Refuse, while torch.export traces, a setting whose policy changes a category: the program would lose it.
 
     Emulated compute is not refused: it has native's casts and dtypes, and the exported program runs its
     low-precision ops on the kernels of the device it is deployed on.
     """
-    if not torch.compiler.is_exporting() or not _changes_categories(setting):
+    if not torch.compiler.is_exporting() or not _tables.effective(setting.policy, setting.device_type)[1]:
         return
-    raise RuntimeError(
-        _errors.message(
-            "This mixprec.autocast region cannot be exported",
-            "torch.export records a region as torch's autocast (device, dtype, enabled, cache), so the "
-            "exported program would apply torch's native categories, not this policy's",
-            received={"policy": setting.policy},
-            fix="Export the float32 model and apply the policy to the program with "
-            "mixprec.graph.apply_policy, or keep the device's default policy inside exported code.",
-        )
-    )
+    raise RuntimeError(_errors.message(what, _RECORDED + loses, received={"policy": setting.policy}, fix=fix))
+
+
+def refuse_export(setting: _state.Setting) -> None:
+    """A mixprec region with this setting while torch.export traces."""
+    _refuse(setting, "This mixprec.autocast region cannot be exported",
+            "the exported program would apply torch's native categories, not this policy's",
+            f"{_APPLY[0].upper()}{_APPLY[1:]}, or keep the device's default policy inside exported code.")
 
 
 def refuse_installed_export(setting: _state.Setting) -> None:
-    """A kernel running under ``mixprec.install`` while torch.export traces: the program would lose the policy."""
-    if not torch.compiler.is_exporting() or not _changes_categories(setting):
-        return
-    raise RuntimeError(
-        _errors.message(
-            "This program cannot be exported under mixprec.install",
-            "torch.export records an autocast region as torch's autocast (device, dtype, enabled, cache), so "
+    """A kernel serving ``mixprec.install`` while torch.export traces."""
+    _refuse(setting, "This program cannot be exported under mixprec.install",
             "the exported program would follow whatever is installed when it runs, not this policy",
-            received={"policy": setting.policy},
-            fix="Remove the installation before exporting: export the float32 model and apply the policy to "
-            "the program with mixprec.graph.apply_policy.",
-        )
-    )
+            f"Remove the installation before exporting: {_APPLY}.")
