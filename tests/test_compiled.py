@@ -197,9 +197,24 @@ class Source:
 
 
 def _compiler(backend: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Compile with ``backend``, the backward traced with autocast off, as eager autograd runs it here.
+
+    By default torch traces a compiled frame's backward under the autocast state the frame was entered with
+    (``torch._functorch.config.backward_pass_autocast = "same_as_forward"``): a frame compiled inside a region
+    (one that a graph break in a region with a policy leaves to be compiled alone, or any compiled call inside
+    a torch.autocast region) then casts its backward where eager autograd, run after the region, does not. Native
+    torch.autocast around a compiled call differs from eager the same way; ``"off"`` makes both eager's.
+    """
+
     def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
         torch._dynamo.reset()
-        return torch.compile(fn, backend=backend)
+        inner = torch.compile(fn, backend=backend)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with torch._functorch.config.patch(backward_pass_autocast="off"):
+                return inner(*args, **kwargs)
+
+        return call
 
     return compiled
 
