@@ -1,0 +1,89 @@
+"""A training loop whose compiled step opens the region inside: mixprec.autocast against torch.autocast.
+
+Each run is a fresh process (so every compile is cold, as a user's first run is), doing::
+
+    @torch.compile(backend=...)          # inductor by default
+    def step(x):
+        with <region>("cpu"):            # mixprec.autocast or torch.autocast, default policy
+            return model(x).float().sum()
+    for _ in range(steps): step(x).backward()
+
+It reports the process's compile-and-run time for the loop (the wall time of the steps, the first one
+compiling), the number of frames dynamo compiled and the dtype the model ran in. Runs alternate between
+the contenders; medians and the mixprec/native ratio are printed.
+
+Usage::
+
+    python benchmarks/compile_time.py [--runs 5] [--steps 20] [--backend inductor] [--graph-break]
+
+``--graph-break`` puts a ``torch._dynamo.graph_break()`` inside the region, between the model's layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import textwrap
+
+CHILD = """
+import json, time, torch, mixprec
+from torch._dynamo.testing import CompileCounterWithBackend
+torch.manual_seed(0)
+torch.set_num_threads({threads})
+model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+x = torch.randn(64, 256)
+region = {region}
+counter = CompileCounterWithBackend({backend!r})
+@torch.compile(backend=counter)
+def step(x):
+    with region("cpu"):
+        h = model[1](model[0](x))
+        if {graph_break}:
+            torch._dynamo.graph_break()
+        y = model[2](h)
+        return y.float().sum(), y.dtype
+start = time.perf_counter()
+for _ in range({steps}):
+    loss, dtype = step(x)
+    loss.backward()
+print(json.dumps({{"seconds": time.perf_counter() - start, "frames": counter.frame_count, "dtype": str(dtype)}}))
+"""
+
+REGIONS = {"mixprec": "mixprec.autocast", "native": "torch.autocast"}
+
+
+def run(name: str, args: argparse.Namespace) -> dict[str, object]:
+    code = CHILD.format(region=REGIONS[name], backend=args.backend, steps=args.steps, threads=args.threads,
+                        graph_break=args.graph_break)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--graph-break", action="store_true")
+    args = parser.parse_args()
+    results: dict[str, list[dict[str, object]]] = {name: [] for name in REGIONS}
+    for r in range(args.runs):
+        for name in (list(REGIONS) if r % 2 == 0 else list(REGIONS)[::-1]):
+            results[name].append(run(name, args))
+    medians = {name: statistics.median(float(x["seconds"]) for x in runs) for name, runs in results.items()}
+    for name, runs in results.items():
+        frames = sorted({int(x["frames"]) for x in runs})
+        dtypes = sorted({str(x["dtype"]) for x in runs})
+        seconds = ", ".join(f"{float(x['seconds']):.2f}" for x in runs)
+        print(f"{name:8s} median {medians[name]:.2f} s ({seconds}); frames compiled {frames}; model dtype {dtypes}")
+    print(f"mixprec/native: {medians['mixprec'] / medians['native']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
