@@ -193,13 +193,35 @@ def test_as_binding_of_a_region_torch_serves_is_torchs_under_compile():
         with torch.autocast("cpu") as bound:
             return LIN(x), bound
 
-    def mine(x):
-        with mixprec.autocast("cpu") as bound:
+    def mine(x):  # (native compute: "auto" emulates on a CPU without bf16 units, and the region is mixprec's)
+        with mixprec.autocast("cpu", compute="native") as bound:
             return LIN(x), bound
 
     expected = _compile(native)(X)
     found = _compile(mine)(X)
     assert (expected[0].dtype, expected[1]) == (found[0].dtype, found[1]) == (BF16, None)
+
+
+@pytest.mark.parametrize("compute", ["native", "emulated"])
+def test_a_region_made_in_compiled_code_keeps_its_compute_when_entered_eagerly(compute):
+    # A region that is mixprec's under compile (a policy of its own) can leave the frame: returned, then entered
+    # in eager code, it computes as the same region made eagerly (the kernels' dtypes tell native from emulated).
+    from test_emulate import _KernelDtypes
+
+    policy = mixprec.policies.CPU.with_ops(fp32=["softmax"])
+
+    def make(x):
+        with mixprec.autocast("cpu", policy=policy, compute=compute) as bound:
+            return LIN(x), bound
+
+    out, region = _compile(make)(X)
+    with _KernelDtypes() as seen, region:
+        again = LIN(X)
+    with _KernelDtypes() as expected, mixprec.autocast("cpu", policy=policy, compute=compute):
+        eager = LIN(X)
+    assert seen.seen == expected.seen == [("addmm", BF16 if compute == "native" else torch.float32)]
+    assert out.dtype == again.dtype == eager.dtype == BF16
+    assert torch.equal(again, eager) and repr(region) == repr(mixprec.autocast("cpu", policy=policy, compute=compute))
 
 
 # Seed 004: promote decided from the real dtypes.

@@ -142,16 +142,21 @@ def test_compiled_hugging_face_gpt2_step_with_the_region_inside_equals_native():
                 return model(ids, labels=ids).loss
         return run
 
-    losses = []
-    for make in (lambda: mixprec.autocast("cpu"), lambda: torch.autocast("cpu")):
+    def losses(make, compiled):
         torch._dynamo.reset()
-        compiled = torch.compile(step(make), backend="aot_eager")
         model.zero_grad()
-        loss = compiled(ids)
+        loss = (torch.compile(step(make), backend="aot_eager") if compiled else step(make))(ids)
         loss.backward()
-        losses.append((loss.detach(), [p.grad.clone() for p in model.parameters()]))
-    assert torch.equal(losses[0][0], losses[1][0])
-    assert all(torch.equal(a, b) for a, b in zip(losses[0][1], losses[1][1], strict=True))
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    def same(a, b):
+        return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1], strict=True))
+
+    # Native compute is torch's: bit for bit with torch.autocast (the default, compute="auto", emulates on a
+    # CPU without bf16 units, and is then checked against itself run eagerly).
+    native = losses(lambda: torch.autocast("cpu"), True)
+    assert same(losses(lambda: mixprec.autocast("cpu", compute="native"), True), native)
+    assert same(losses(lambda: mixprec.autocast("cpu"), True), losses(lambda: mixprec.autocast("cpu"), False))
 
 
 @pytest.mark.parametrize("policy", [None, RELU_FP32], ids=["default", "policy"])

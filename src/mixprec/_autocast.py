@@ -162,7 +162,11 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             _, self.fast_dtype, self._enabled, self._cache_enabled, self._token = _compile.plan(
                 device_type, dtype, enabled, cache, policy, compute, False
             )
-            self._emulate, self._emulate_ops = False, _NO_OPS
+            # (the token's setting computes; these serve the object if it escapes the frame: repr, eager entry)
+            self._emulate = self._enabled and _compute.emulates(compute, device_type, self.fast_dtype)
+            self._emulate_ops = _NO_OPS
+            if self._enabled:
+                self._emulate_ops = _compute.emulated_ops(compute, device_type, self.fast_dtype)
             self._traced: list[tuple[int, Any]] = []  # per open level: the token around it, torch's region
             return
         spec = _devices.spec(device_type)
