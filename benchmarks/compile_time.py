@@ -15,8 +15,11 @@ the contenders; medians and the mixprec/native ratio are printed.
 Usage::
 
     python benchmarks/compile_time.py [--runs 5] [--steps 20] [--backend inductor] [--graph-break]
+                                      [--compute auto]
 
 ``--graph-break`` puts a ``torch._dynamo.graph_break()`` inside the region, between the model's layers.
+``--compute`` is mixprec's argument: ``auto`` (its default) emulates bfloat16 on a CPU without bf16 units,
+where torch.autocast runs its slow bf16 kernels; ``native`` then compares the same compute.
 """
 
 from __future__ import annotations
@@ -35,11 +38,10 @@ torch.manual_seed(0)
 torch.set_num_threads({threads})
 model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
 x = torch.randn(64, 256)
-region = {region}
 counter = CompileCounterWithBackend({backend!r})
 @torch.compile(backend=counter)
 def step(x):
-    with region("cpu"):
+    with {region}:
         h = model[1](model[0](x))
         if {graph_break}:
             torch._dynamo.graph_break()
@@ -52,11 +54,12 @@ for _ in range({steps}):
 print(json.dumps({{"seconds": time.perf_counter() - start, "frames": counter.frame_count, "dtype": str(dtype)}}))
 """
 
-REGIONS = {"mixprec": "mixprec.autocast", "native": "torch.autocast"}
+REGIONS = {"mixprec": "mixprec.autocast('cpu', compute={compute!r})", "native": "torch.autocast('cpu')"}
 
 
 def run(name: str, args: argparse.Namespace) -> dict[str, object]:
-    code = CHILD.format(region=REGIONS[name], backend=args.backend, steps=args.steps, threads=args.threads,
+    region = REGIONS[name].format(compute=args.compute)
+    code = CHILD.format(region=region, backend=args.backend, steps=args.steps, threads=args.threads,
                         graph_break=args.graph_break)
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           check=True)
@@ -70,7 +73,15 @@ def main() -> int:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--graph-break", action="store_true")
+    parser.add_argument("--compute", default="auto", choices=["auto", "native", "emulated"])
     args = parser.parse_args()
+    header = subprocess.run(
+        [sys.executable, "-c", "import torch, mixprec; print(f'torch {torch.__version__};',"
+         " mixprec.kernel_support('cpu', torch.bfloat16))"], capture_output=True, text=True, check=True)
+    with open("/proc/cpuinfo", encoding="utf-8") as info:
+        cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "?")
+    print(f"{cpu}; {header.stdout.strip()}; backend {args.backend}, {args.steps} steps, {args.threads} thread(s),"
+          f" compute={args.compute!r}{', graph break' if args.graph_break else ''}")
     results: dict[str, list[dict[str, object]]] = {name: [] for name in REGIONS}
     for r in range(args.runs):
         for name in (list(REGIONS) if r % 2 == 0 else list(REGIONS)[::-1]):
