@@ -57,7 +57,7 @@ from mixprec.graph import apply_policy
 
 BF16 = torch.bfloat16
 CONTENDERS: dict[str, Callable[[], Any]] = {
-    "mixprec": lambda: mixprec.autocast("cpu", dtype=BF16),
+    "mixprec": lambda: mixprec.autocast("cpu", dtype=BF16, **common.COMPUTE),
     "native": lambda: torch.autocast("cpu", dtype=BF16),
     "fp32": contextlib.nullcontext,
 }
@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1000,
         help="steps per autocast contender timing the region itself (default 1000; 0 skips it)",
     )
+    parser.add_argument("--compute", choices=["auto", "native", "emulated"], default="auto", help=common.COMPUTE_HELP)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     if args.repeats < 3:
@@ -220,9 +221,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     common.CONTENDERS.clear()
     common.CONTENDERS.update(CONTENDERS)
+    common.COMPUTE["compute"] = args.compute
     info = common.machine()
     print(
         f"torch {info['torch']}, mixprec {info['mixprec']}, {info['cpu']}, threads {info['threads']}, "
+        f"bf16 flags {info['bf16_cpu_flags'] or 'none'}, mixprec compute={args.compute!r}, "
         f"repeats {args.repeats}, load average {info['loadavg'][0]:.2f}\n"
     )
     if args.alone:

@@ -57,8 +57,12 @@ import mixprec
 
 BF16 = torch.bfloat16
 
+#: mixprec's ``compute`` argument (``--compute``): "auto" emulates bfloat16 on a CPU without bf16 units, where
+#: torch.autocast runs its slow bf16 kernels; "native" times the same compute as torch's there.
+COMPUTE = {"compute": "auto"}
+
 CONTENDERS: dict[str, Callable[[], Any]] = {
-    "mixprec": lambda: mixprec.autocast("cpu", dtype=BF16),
+    "mixprec": lambda: mixprec.autocast("cpu", dtype=BF16, **COMPUTE),
     "native": lambda: torch.autocast("cpu", dtype=BF16),
     "fp32": contextlib.nullcontext,
 }
@@ -169,7 +173,7 @@ CASES: dict[str, Callable[[], Case]] = {
 def contenders(case: Case) -> dict[str, Callable[[], Any]]:
     if case.policy is None:
         return dict(CONTENDERS)
-    return {**CONTENDERS, "mixprec": lambda: mixprec.autocast("cpu", dtype=BF16, policy=case.policy)}
+    return {**CONTENDERS, "mixprec": lambda: mixprec.autocast("cpu", dtype=BF16, policy=case.policy, **COMPUTE)}
 
 
 def _check_dtypes(case: Case) -> None:
@@ -282,6 +286,9 @@ def report(rows: list[dict[str, Any]]) -> None:
         print(f"{row['case']:8} {row['description']}; {row['inner']} steps per sample; IQR/median: {iqr}")
 
 
+COMPUTE_HELP = "mixprec's compute argument (default auto; native compares like with like on a CPU without bf16 units)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=100, help="interleaved repetitions per case (default 100)")
@@ -289,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-ms", type=float, default=10.0, help="target time of one sample, ms (default 10)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="cases to run")
+    parser.add_argument("--compute", choices=["auto", "native", "emulated"], default="auto", help=COMPUTE_HELP)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     if args.repeats < 3:
@@ -296,11 +304,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    COMPUTE["compute"] = args.compute
     info = machine()
     print(
         f"torch {info['torch']}, mixprec {info['mixprec']}, {info['cpu']} ({info['logical_cpus']} logical CPUs, "
         f"{info['cpu_capability']}, bf16 flags {info['bf16_cpu_flags'] or 'none'}), threads {info['threads']}, "
-        f"repeats {args.repeats}, load average {info['loadavg'][0]:.2f}\n"
+        f"repeats {args.repeats}, mixprec compute={args.compute!r}, load average {info['loadavg'][0]:.2f}\n"
     )
     cases = []
     for name in [c for c in CASES if c in args.cases]:
