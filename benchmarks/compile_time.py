@@ -1,6 +1,7 @@
 """A training loop whose compiled step opens the region inside: mixprec.autocast against torch.autocast.
 
-Each run is a fresh process (so every compile is cold, as a user's first run is), doing::
+Each run is a fresh process with empty inductor caches (so every compile is cold, as a user's first run is),
+doing::
 
     @torch.compile(backend=...)          # inductor by default
     def step(x):
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 CHILD = """
@@ -61,8 +64,10 @@ def run(name: str, args: argparse.Namespace) -> dict[str, object]:
     region = REGIONS[name].format(compute=args.compute)
     code = CHILD.format(region=region, backend=args.backend, steps=args.steps, threads=args.threads,
                         graph_break=args.graph_break)
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          check=True)
+    with tempfile.TemporaryDirectory() as cache:  # inductor's on-disk caches, empty: every compile is cold
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                              check=True, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -339,12 +339,17 @@ def _pristine() -> Any:
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_programs_give_the_eager_results(backend: str) -> None:
+    checked: list[Program] = []
+
     @_settings(backend)
     @given(compiled_programs())
     def compiled_as_eager(drawn: tuple[Program, frozenset[int]]) -> None:
         check(*drawn, backend)
+        checked.append(drawn[0])
 
     compiled_as_eager()
+    # The profile's count is of programs checked clean (a program check() rejects does not count).
+    assert len(checked) >= EXAMPLES[backend], f"{len(checked)} programs checked, of {EXAMPLES[backend]}"
 
 
 def fresh(count: int) -> None:
