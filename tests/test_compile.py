@@ -6,6 +6,8 @@ counting eager backend (fast); the inductor cases check the values end to end.
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
@@ -222,6 +224,9 @@ def test_a_region_made_in_compiled_code_keeps_its_compute_when_entered_eagerly(c
     assert seen.seen == expected.seen == [("addmm", BF16 if compute == "native" else torch.float32)]
     assert out.dtype == again.dtype == eager.dtype == BF16
     assert torch.equal(again, eager) and repr(region) == repr(mixprec.autocast("cpu", policy=policy, compute=compute))
+    # ... and, as a region made eagerly, it pickles and decorates
+    assert repr(pickle.loads(pickle.dumps(region))) == repr(region)
+    assert torch.equal(region(LIN)(X), eager)
 
 
 # Seed 004: promote decided from the real dtypes.

@@ -154,6 +154,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         compute: str = "auto",
     ) -> None:
         self._policy, self._compute, self.device = policy, compute, device_type
+        self._args = (enabled, cache_enabled)  # as given: a pickled region is made again from them (__reduce__)
         self._setting = None
         self._plain = self._native_only = False
         self._unframed: dict[int, tuple[bool, torch.dtype, bool]] = {}  # {0: torch's state} while a level is open
@@ -162,11 +163,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             _, self.fast_dtype, self._enabled, self._cache_enabled, self._token = _compile.plan(
                 device_type, dtype, enabled, cache, policy, compute, False
             )
-            # (the token's setting computes; these serve the object if it escapes the frame: repr, eager entry)
-            self._emulate = self._enabled and _compute.emulates(compute, device_type, self.fast_dtype)
-            self._emulate_ops = _NO_OPS
-            if self._enabled:
-                self._emulate_ops = _compute.emulated_ops(compute, device_type, self.fast_dtype)
+            self._decide_compute()  # (the token's setting computes here; these serve the object if it escapes)
             self._traced: list[tuple[int, Any]] = []  # per open level: the token around it, torch's region
             return
         spec = _devices.spec(device_type)
@@ -177,12 +174,8 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         self.fast_dtype = spec.default_dtype if dtype is None else dtype
         self._cache_enabled = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
         self._enabled = enabled and _devices.usable(spec, self.fast_dtype)
-        self._args = (enabled, cache_enabled)  # as given: a pickled region is made again from them (__reduce__)
         _compute.check_compute(compute)
-        self._emulate = self._enabled and _compute.emulates(compute, device_type, self.fast_dtype)
-        self._emulate_ops = (
-            _compute.emulated_ops(compute, device_type, self.fast_dtype) if self._enabled else frozenset()
-        )
+        self._decide_compute()
         # _setting: made here for an enabled region, else on first entry; _native_only: the device's default
         # policy with native compute (no kernel needed); _plain: that, once torch's tables were checked.
         if self._enabled:  # no warning was given
@@ -196,6 +189,12 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
                 if len(_made) > 256:
                     _made.clear()
                 _made[(device_type, dtype, self._cache_enabled, compute, id(policy))] = self
+
+    def _decide_compute(self) -> None:
+        """Whether the region emulates its lower_precision_fp ops, and which ones it emulates regardless."""
+        enabled, compute, device, dtype = self._enabled, self._compute, self.device, self.fast_dtype
+        self._emulate = enabled and _compute.emulates(compute, device, dtype)
+        self._emulate_ops = _compute.emulated_ops(compute, device, dtype) if enabled else _NO_OPS
 
     def __enter__(self) -> autocast:
         if self._plain and not _holders and not _function_mode_enabled():
