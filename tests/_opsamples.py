@@ -25,6 +25,7 @@ UNREACHABLE = {
     "__pow__": "a Python operator spelling; it reaches aten::pow, which is drawn",
     "__rtruediv__": "a Python operator spelling; it reaches aten::div, which is drawn",
     "cudnn_convolution": "cuDNN kernels only",
+    "_cudnn_rnn": "cuDNN kernels only",
     "cudnn_convolution_transpose": "cuDNN kernels only",
     "_thnn_fused_gru_cell": "CUDA kernels only",
     "_thnn_fused_lstm_cell": "CUDA kernels only",
@@ -103,7 +104,14 @@ HAND: dict[str, Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]] = {
                               [4, 4, 4], [2, 2, 2], [0, 0, 0]), {}),
     "poisson_nll_loss": lambda: ((_r(3, 4), _r(3, 4, low=0, high=3), True, False, 1e-8, 1), {}),
     "tensordot": lambda: ((_r(2, 3, 4), _r(4, 3, 5), [1, 2], [1, 0]), {}),
+    "linalg_matrix_sqrth": lambda: ((_spd(3),), {}),  # torch 2.14 and later
 }
+
+
+def _spd(n: int) -> torch.Tensor:
+    """A symmetric positive definite matrix."""
+    a = _r(n, n)
+    return a @ a.T + n * torch.eye(n)
 
 
 @functools.cache

@@ -1,11 +1,160 @@
-"""Shared fixtures: every test must leave autocast state as it found it."""
+"""Shared fixtures (every test must leave autocast state as it found it), the torch-release matrix's options
+and the results file ``docs/compatibility.md`` is generated from.
+
+* ``--version-sensitive``: only the tests that touch torch internals which move between releases
+  (``VERSION_SENSITIVE``), with a sample of the OpInfo comparison (``--opinfo-sample``). ``nox`` runs these on
+  the releases between the oldest and the newest supported one.
+* ``MIXPREC_COMPAT_RESULTS=<file>``: write this run's outcome per feature (``FEATURES``) there as JSON.
+* ``MIXPREC_EXPECT_TORCH=<version>``: fail at once unless that torch is the one imported (a matrix venv that
+  resolved another release must not pass for it).
+"""
 
 from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import time
 
 import pytest
 import torch
 
-from mixprec import _autocast, _cast, _compute, _install, _state
+from mixprec import _autocast, _cast, _compat, _compute, _install, _state
+
+#: The test files each row of docs/compatibility.md stands on.
+FEATURES: dict[str, tuple[str, ...]] = {
+    "Default tables equal the release's Autocast kernels": ("test_compat.py",),
+    "Eager autocast, bit for bit with native": ("test_conformance.py", "test_eligibility.py", "test_cache.py"),
+    "OpInfo and ModuleInfo comparison with native": ("test_cpu_opinfo.py",),
+    "Reference interpreter (differential)": ("test_differential.py",),
+    "Policies as mixprec kernels at the Autocast keys": ("test_kernels.py", "test_install.py", "test_module.py"),
+    "torch.compile (aot_eager, inductor)": ("test_compile.py", "test_compiled.py", "test_patterns.py"),
+    "torch.export and FX": ("test_graph.py",),
+    "torch.autocast interplay, checkpointing": ("test_interop.py",),
+    "Hugging Face Transformers, Lightning, Accelerate": ("test_frameworks.py", "test_models.py"),
+    "GradScaler": (
+        "test_scaler_parity.py", "test_scaler_rule.py", "test_scaler_state.py", "test_scaler_distributed.py",
+    ),
+}
+
+#: The tests that touch torch internals which move between releases: dynamo and inductor (compile, compiled,
+#: patterns), export and FX (graph), Autocast-key kernels (kernels, install), torch.autocast interplay and
+#: checkpoint recompute (interop, frameworks), the reference interpreter (differential), the release's own
+#: tables (compat) and a sample of the OpInfo comparison (cpu_opinfo).
+VERSION_SENSITIVE = (
+    "test_compat.py", "test_compile.py", "test_compiled.py", "test_patterns.py", "test_graph.py",
+    "test_kernels.py", "test_install.py", "test_interop.py", "test_frameworks.py", "test_differential.py",
+    "test_cpu_opinfo.py",
+)
+#: In the OpInfo sample: every op torch autocasts on CPU, and this share of the others (by a stable hash).
+OPINFO_SAMPLE_ONE_IN = 6
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("mixprec")
+    group.addoption("--version-sensitive", action="store_true", help="only the tests of version-sensitive internals")
+    group.addoption("--opinfo-sample", action="store_true", help="a sample of the OpInfo comparison")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    expected = os.environ.get("MIXPREC_EXPECT_TORCH")
+    if expected and torch.__version__.split("+")[0] != expected:
+        raise pytest.UsageError(f"this venv has torch {torch.__version__}, the matrix asked for {expected}")
+
+
+def _sampled(item: pytest.Item) -> bool:
+    """Whether an OpInfo test is in the sample (any other test is)."""
+    callspec = getattr(item, "callspec", None)
+    key = callspec.params.get("key") if callspec is not None else None
+    if item.path.name != "test_cpu_opinfo.py" or key is None:
+        return True
+    from mixprec import _tables
+
+    autocast = {_tables.qualified(op).split("::")[1].split(".")[0] for op in _tables.native("cpu")}
+    if key.split(".")[0].replace("nn.functional.", "") in autocast or key in autocast:
+        return True
+    return int(hashlib.sha256(key.encode()).hexdigest(), 16) % OPINFO_SAMPLE_ONE_IN == 0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    sensitive = config.getoption("--version-sensitive")
+    sample = sensitive or config.getoption("--opinfo-sample")
+    keep, drop = [], []
+    for item in items:
+        wanted = (not sensitive or item.path.name in VERSION_SENSITIVE) and (not sample or _sampled(item))
+        (keep if wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+_outcomes: dict[str, dict[str, int]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call" or report.outcome != "passed":
+        name = pathlib.Path(report.nodeid.split("::")[0]).name
+        counts = _outcomes.setdefault(name, {"passed": 0, "failed": 0, "skipped": 0})
+        counts[report.outcome] = counts.get(report.outcome, 0) + 1
+
+
+def _facts() -> dict[str, str]:
+    """How mixprec meets this release: what ``mixprec._compat`` decided, and the release's default tables."""
+    import importlib
+
+    from mixprec import policies
+
+    def table(name: str) -> str:
+        change = importlib.import_module(f"mixprec.policies.{policies.BUILTIN[name]}").RELEASES[_compat.release_name()]
+        parts = [f"+{c} " + ", ".join(ops) for c, ops in change.items() if c != "removed"]
+        parts += ["-" + ", ".join(change["removed"])] if change.get("removed") else []
+        return "; ".join(parts) or "as 2.13"
+
+    return {
+        "CPU table vs 2.13": table("CPU"),
+        "CUDA table vs 2.13": table("CUDA"),
+        "A default-policy region in compiled code": "torch.autocast" if _compat.returns_torch_autocast()
+        else "mixprec's region object",
+        "Policies reach constant functions": "as objects" if _compat.CONSTANT_TAKES_OBJECTS else "by id",
+        "Trace seen from kernels by": "is_compiling()" if _compat.at_least(2, 13)
+        else "is_compiling() or the tracing context",
+    }
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    target = os.environ.get("MIXPREC_COMPAT_RESULTS")
+    if not target or getattr(session.config, "workerinput", None) is not None:
+        return
+    try:
+        import transformers
+
+        transformers_version = transformers.__version__
+    except ImportError:
+        transformers_version = None
+    config = session.config
+    features = {}
+    for feature, files in FEATURES.items():
+        counts = {"passed": 0, "failed": 0, "skipped": 0}
+        for name in files:
+            for outcome, n in _outcomes.get(name, {}).items():
+                counts[outcome] = counts.get(outcome, 0) + n
+        features[feature] = counts
+    result = {
+        "release": _compat.release_name(),
+        "torch": torch.__version__,
+        "transformers": transformers_version,
+        "python": platform.python_version(),
+        "run": "version-sensitive" if config.getoption("--version-sensitive") else "whole suite",
+        "opinfo_sample": bool(config.getoption("--version-sensitive") or config.getoption("--opinfo-sample")),
+        "exitstatus": int(exitstatus),
+        "when": time.strftime("%Y-%m-%d", time.gmtime()),
+        "features": features,
+        "files": _outcomes,
+        "facts": _facts(),
+    }
+    pathlib.Path(target).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
 
 
 @pytest.fixture(autouse=True)

@@ -556,6 +556,15 @@ POLICY_ROWS = [
         names=("name='GPU'", "Expected one of: CPU, CUDA, XPU, CPU_DOCUMENTED, CUDA_DOCUMENTED")),
     row("builtin-policy-typo", mixprec.policies.__getattr__, "CUDA_DOCUMENTD", how=attribute, raises=AttributeError,
         names=("name='CUDA_DOCUMENTD'", "Expected one of: CPU, CUDA")),
+    row("lists-unknown-policy", mixprec.policies.lists, "GPU", raises=ValueError,
+        names=("No built-in policy named 'GPU'", "Expected one of: CPU, CUDA")),
+    row("lists-name-not-str", mixprec.policies.lists, CPU, raises=TypeError, names=("name=", "Expected a str")),
+    row("lists-unsupported-release", mixprec.policies.lists, "CPU", "2.9", raises=ValueError,
+        names=("No CPU table for torch 2.9", "release='2.9'", "Expected one of: 2.10")),
+    row("lists-release-float", mixprec.policies.lists, "CPU", 2.15, raises=TypeError,
+        names=("release=2.15", "Expected a str")),
+    row("describes-a-name", mixprec.policies.describes, "CPU", raises=TypeError,
+        names=("policy='CPU'", "Expected a mixprec.policies._policy.Policy")),
 ]
 
 _DICTS: list[tuple[str, object, type[Exception], tuple[str, ...]]] = [

@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import mixprec
+from mixprec import _compat
 
 torch.manual_seed(0)
 LIN = torch.nn.Linear(8, 8)
@@ -201,7 +202,11 @@ def test_as_binding_of_a_region_torch_serves_is_torchs_under_compile():
 
     expected = _compile(native)(X)
     found = _compile(mine)(X)
-    assert (expected[0].dtype, expected[1]) == (found[0].dtype, found[1]) == (BF16, None)
+    if _compat.returns_torch_autocast():
+        assert (expected[0].dtype, expected[1]) == (found[0].dtype, found[1]) == (BF16, None)
+    else:  # torch 2.10 and 2.11: dynamo cannot take a torch.autocast from __new__; the region stays mixprec's
+        assert (expected[0].dtype, expected[1]) == (BF16, None)
+        assert found[0].dtype is BF16 and isinstance(found[1], mixprec.autocast)
 
 
 @pytest.mark.parametrize("compute", ["native", "emulated"])
@@ -323,15 +328,24 @@ def test_compiled_calling_traced_keeps_the_traced_region():
 
 
 def test_exported_code_calling_compiled_code_keeps_its_region():
-    inner = torch.compile(lambda a: LIN(a) + 1, fullgraph=True, backend="eager")
+    def export(region):
+        inner = torch.compile(lambda a: LIN(a) + 1, fullgraph=True, backend="eager")
 
-    class Outer(torch.nn.Module):
-        def forward(self, x):
-            with mixprec.autocast("cpu"):
-                return inner(x)
+        class Outer(torch.nn.Module):
+            def forward(self, x):
+                with region("cpu"):
+                    return inner(x)
 
-    torch._dynamo.reset()
-    program = torch.export.export(Outer(), (X,))
+        torch._dynamo.reset()
+        try:
+            return torch.export.export(Outer(), (X,))
+        except AssertionError as error:  # torch 2.10's dynamo: "Guard failed on the same frame it was created"
+            return type(error), str(error).split(".")[0]
+
+    native, program = export(torch.autocast), export(mixprec.autocast)
+    if isinstance(native, tuple):  # where torch.autocast cannot do it, a mixprec region fails the same way
+        assert program == native
+        return
     assert program.module()(X).dtype is BF16
     assert "torch.bfloat16" in program.graph_module.code
 
@@ -502,7 +516,7 @@ def test_emulated_compute_under_inductor(dtype):
 
 
 def test_constant_marks_a_function_as_torch_compiler_does():
-    from mixprec._constant import constant
+    from mixprec._compat import constant
 
     def ours():
         return 1

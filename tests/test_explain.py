@@ -14,6 +14,7 @@ from _opsamples import POLICIES as TABLE_POLICIES
 from _opsamples import UNREACHABLE, samples
 
 CPU, CUDA = mixprec.policies.CPU, mixprec.policies.CUDA
+RELEASE = mixprec.policies.describes(CPU)  # "torch 2.15": the installed release's table
 bf16, f16, f32, f64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 
 
@@ -116,17 +117,17 @@ def test_explain_reads_the_policy_and_dtype_in_force():
     with mixprec.set_module_policy(module, edited), mixprec.autocast("cpu"):
         module(torch.randn(2, 2))
         seen.append(mixprec.explain(torch.mm).source)
-    assert seen == ["user change (was lower_precision_fp in CPU)", "default table CPU"]
+    assert seen == ["user change (was lower_precision_fp in CPU)", f"default table CPU ({RELEASE})"]
 
 
 @pytest.mark.parametrize(
     ("policy", "op", "source"),
     [
-        (CPU, "mm", "default table CPU"),
-        (CUDA, torch.softmax, "default table CUDA"),
+        (CPU, "mm", f"default table CPU ({RELEASE})"),
+        (CUDA, torch.softmax, f"default table CUDA ({RELEASE})"),
         (mixprec.policies.CPU_DOCUMENTED, "gelu", "documented table CPU_DOCUMENTED"),
         (mixprec.policies.XPU, "mm", "documented table XPU"),
-        (CPU, "add", "default table CPU does not list it"),
+        (CPU, "add", f"default table CPU ({RELEASE}) does not list it"),
         (CPU.with_ops(fp32="mm"), "mm", "user change (was lower_precision_fp in CPU)"),
         (CPU.with_ops(fp32="softmax"), torch.softmax, "user change (was unlisted in CPU)"),
         (CPU.without_ops("cat"), "cat", "user change (was promote in CPU)"),
@@ -158,9 +159,9 @@ def test_str_reads_as_a_sentence():
     text = str(mixprec.explain(torch.softmax, "cpu", CUDA, input_dtypes=(bf16,)))
     assert text == (
         "softmax under cpu autocast to bfloat16, policy CUDA: fp32_set_opt_dtype "
-        "(entry 'softmax', default table CUDA). With inputs (bfloat16) it runs in float32."
+        f"(entry 'softmax', default table CUDA ({RELEASE})). With inputs (bfloat16) it runs in float32."
     )
-    assert "unlisted (default table CPU does not list it)" in str(mixprec.explain("add"))
+    assert f"unlisted (default table CPU ({RELEASE}) does not list it)" in str(mixprec.explain("add"))
     assert str(mixprec.explain("binary_cross_entropy", policy=CUDA)).count("..") == 0
 
 

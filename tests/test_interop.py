@@ -74,14 +74,20 @@ def test_a_weight_cast_under_no_grad_then_used_with_grad_gives_native_gradients(
         x = torch.randn(4, 8)
         with region():
             with torch.no_grad():
-                layer(x)  # torch's cache keeps the weight's copy, with its autograd history
+                layer(x)  # torch's cache keeps the weight's copy, with its autograd history from 2.11 on
             out = layer(x)
-        out.float().sum().backward()
+        try:
+            out.float().sum().backward()
+        except RuntimeError as error:  # torch 2.10 cached the copy made under no_grad, with no history
+            return out, str(error)
         return out, layer.weight.grad
 
     (out, grad), (expected_out, expected_grad) = run(_ours), run(_native)
     assert out.dtype is expected_out.dtype is BF16 and torch.equal(out, expected_out)
-    assert torch.equal(grad, expected_grad)
+    if isinstance(expected_grad, str):
+        assert grad == expected_grad
+    else:
+        assert torch.equal(grad, expected_grad)
 
 
 def test_nested_torch_autocast_disabled_turns_it_off():

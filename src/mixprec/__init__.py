@@ -7,6 +7,10 @@ Example:
     torch.bfloat16
 """
 
+from mixprec import _compat
+
+_compat.require_supported()
+
 from mixprec import cpu, cuda, policies, xpu
 from mixprec._autocast import autocast, get_autocast_dtype, get_policy, is_autocast_enabled
 from mixprec._compute import KernelSupport, kernel_support

@@ -11,6 +11,7 @@ import torch
 
 from mixprec import (
     _cast,
+    _compat,
     _compile,
     _compute,
     _devices,
@@ -138,7 +139,9 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             # Made in compiled code: a region torch's kernels serve exactly is a torch.autocast, which dynamo
             # knows natively (graph breaks, nesting, guards); any other is this class (see mixprec._compile).
             cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
-            native, fast, usable, cache, _ = _compile.plan(device_type, dtype, enabled, cache, policy, compute)
+            native, fast, usable, cache, _ = _compile.plan(
+                device_type, dtype, enabled, cache, _compat.to_constant(policy), compute
+            )
             if native:
                 return torch.autocast(device_type, fast, usable, cache)
         return object.__new__(cls)
@@ -161,7 +164,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         if _dynamo_compiling():  # a region that needs mixprec's setting (``__new__`` returned the others)
             cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
             _, self.fast_dtype, self._enabled, self._cache_enabled, self._token = _compile.plan(
-                device_type, dtype, enabled, cache, policy, compute, False
+                device_type, dtype, enabled, cache, _compat.to_constant(policy), compute, False
             )
             self._decide_compute()  # (the token's setting computes here; these serve the object if it escapes)
             self._traced: list[tuple[int, Any]] = []  # per open level: the token around it, torch's region
@@ -336,7 +339,8 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         """
         if _dynamo_compiling():
             native, fast, usable, cache, _ = _compile.plan(
-                self.device, self.fast_dtype, self._enabled, self._cache_enabled, self._policy, self._compute, True
+                self.device, self.fast_dtype, self._enabled, self._cache_enabled, _compat.to_constant(self._policy),
+                self._compute, True,
             )
             if native:
                 return torch.autocast(self.device, fast, usable, cache)
@@ -477,7 +481,7 @@ def level(device: str, setting: _state.Setting | None, dtype: torch.dtype, enabl
     under the trace, from ``_compile``). The level closes on any exception, KeyboardInterrupt included."""
     if _dynamo_compiling():
         if setting is not None and not token:
-            token = _compile.setting_token(setting)
+            token = _compile.setting_token(_compat.to_constant(setting))
         around = _compile.current(device) if token else 0
         if token:
             _compile.push(token)

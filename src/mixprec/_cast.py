@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _state
+from mixprec import _compat, _state
 
 _Tensor = torch.Tensor
 _float32 = torch.float32
@@ -71,7 +71,7 @@ def follow_torch(on: bool) -> None:
 
 def cache_for_call() -> Cache | TorchCache | None:
     """The cache a ``lower_precision_fp`` kernel casts weights through now, or None (see the module)."""
-    if not torch.is_autocast_cache_enabled() or torch.compiler.is_compiling():  # a graph casts each once anyway
+    if not torch.is_autocast_cache_enabled() or _compat.tracing():  # a graph casts each once anyway
         return None
     state = _state._state
     if state.frames:

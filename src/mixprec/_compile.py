@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from mixprec import _compute, _devices, _errors, _guard, _install, _kernels, _recompute, _state, _tables
-from mixprec._constant import constant
+from mixprec import _compat, _compute, _devices, _errors, _guard, _install, _kernels, _recompute, _state, _tables
+from mixprec._compat import constant
 from mixprec.policies import Policy
 
 _lock = threading.Lock()
@@ -74,12 +74,13 @@ def token_of(setting: _state.Setting | None) -> int:
 @constant
 def setting_token(setting: _state.Setting | None) -> int:
     """``token_of`` run eagerly by the trace (a setting made outside it: custom_bwd's)."""
-    return token_of(setting)
+    return token_of(_compat.passed(setting))
 
 
 @constant
 def policy_token(policy: Policy) -> int:
     """The int that stands for a module policy in a graph (``push_module``)."""
+    policy = _compat.passed(policy)
     return _token(("module policy", id(policy)), policy, policy)
 
 
@@ -114,10 +115,8 @@ def pop_module() -> None:
 
 
 def _allow_in_graph() -> None:
-    import torch._dynamo
-
     for function in (push, pop, push_module, pop_module):
-        torch._dynamo.allow_in_graph(function)
+        _compat.allow_in_graph(function)
 
 
 def _native_equivalent(setting: _state.Setting | None) -> bool:
@@ -150,6 +149,7 @@ def plan(
     inside a region with another policy, must set the default policy there, which a ``torch.autocast`` does not.
     """
     _guard.contact()
+    policy = _compat.passed(policy)
     if entered is None:
         entered = _guard.made_for_with()
     spec = _devices.spec(device_type)
@@ -169,7 +169,7 @@ def plan(
         )
     fast = spec.default_dtype if dtype is None else dtype
     if not (enabled and _devices.usable(spec, fast)):
-        return (_guard.torch_regions_traceable(), fast, False, cache_enabled, 0)
+        return (_compat.returns_torch_autocast(), fast, False, cache_enabled, 0)
     state = _state.get()
     if policy is None:  # the innermost module policy, else the installed one, else the device's default
         policy = (state.module_policies[-1] if state.module_policies else None) or _install.policy()
@@ -182,7 +182,7 @@ def plan(
     installed = None if _install.current is None else _install.current.setting(device_type, fast)
     around = (state.active.get(device_type), installed)
     if _native_equivalent(setting):
-        if entered and all(_native_equivalent(s) for s in around) and _guard.torch_regions_traceable():
+        if entered and all(_native_equivalent(s) for s in around) and _compat.returns_torch_autocast():
             return (True, fast, True, cache_enabled, 0)
     else:
         _guard.refuse_export(setting)
@@ -202,6 +202,7 @@ def current(device_type: str) -> int:
 def module_token(device_type: str, policy: Policy) -> int:
     """The token of a module policy's setting on ``device_type`` (the setting around it, with its policy)."""
     _guard.contact()
+    policy = _compat.passed(policy)
     setting = _state.module_setting(device_type, policy, _recompute.around(device_type))
     _kernels.ensure(setting)
     _guard.guard_trace()

@@ -43,7 +43,7 @@ from collections.abc import Callable
 import torch
 
 from mixprec import _devices, _errors
-from mixprec._constant import constant
+from mixprec._compat import constant
 
 COMPUTE_MODES = ("auto", "native", "emulated")
 

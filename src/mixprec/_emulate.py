@@ -56,7 +56,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from mixprec import _emulate_kernels
+from mixprec import _compat, _emulate_kernels
 
 _Tensor = torch.Tensor
 
@@ -277,7 +277,7 @@ def call(
         args, kwargs: The call's arguments, cast to ``low`` by the autocast rule.
         original: The arguments before that cast, to find the parameters the casts came from.
     """
-    if torch.compiler.is_compiling():
+    if _compat.tracing():
         return _traced(low, func, args, kwargs)
     with _computing():
         return _eager(low, func, (args, kwargs), original)

@@ -44,7 +44,7 @@ class Explanation:
         entry: The table entry that decides it (the op's own or its op's for an
             overload), or None if the policy does not list it.
         category: The entry's category, or None (the op runs in its inputs' dtype).
-        source: Where the entry comes from: ``"default table CPU"``,
+        source: Where the entry comes from: ``"default table CPU (torch 2.15)"``,
             ``"documented table CUDA_DOCUMENTED"``, ``"user change (...)"``,
             ``"table of policy <name>"``, or for an unlisted op ``"<table> does not list it"``.
         policy: The policy's name.
@@ -117,8 +117,8 @@ def explain(
 
     Example:
         >>> why = mixprec.explain(torch.softmax, "cpu", mixprec.policies.CUDA)
-        >>> why.category, why.runs_in, why.source
-        ('fp32_set_opt_dtype', torch.float32, 'default table CUDA')
+        >>> why.category, why.runs_in, why.source.startswith("default table CUDA (torch 2.")
+        ('fp32_set_opt_dtype', torch.float32, True)
     """
     _devices.spec(device_type)
     policy = _autocast.get_policy(device_type) if policy is None else policy
@@ -306,9 +306,12 @@ def _source(policy: Policy, entry: str) -> str:
     if policy.table.get(entry) is not base.get(entry):
         before = base[entry].value if entry in base else "unlisted"
         return f"user change (was {before} in {policy.base})" if policy.base else f"table of policy {policy.name}"
-    from mixprec.policies import DOCUMENTED
+    from mixprec.policies import DOCUMENTED, describes
 
+    release = describes(policy)
     table = f"{'documented' if policy.base in DOCUMENTED else 'default'} table {policy.base}"
+    if release is not None:  # a default table is per torch release
+        table += f" ({release})"
     if policy.base is None:
         table = f"table of policy {policy.name}"
     return table if entry in policy.table else f"{table} does not list it"

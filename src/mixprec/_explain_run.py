@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from mixprec import _tables
+from mixprec import _compat, _tables
 from mixprec.policies import Category
 
 Op = torch._ops.OpOverload
@@ -153,7 +153,7 @@ def from_example(op: Any, qualified: str, args: tuple[Any, ...], kwargs: dict[st
         return Call(op, args, kwargs)
     try:
         name = qualified if "::" in qualified else f"aten::{qualified}"
-        overload = torch._C._jit_resolve_packet(name.split(".")[0], *args, **kwargs)
+        overload = _compat.resolve_overload(name.split(".")[0], args, kwargs)
         found = getattr(torch.ops, name.split("::")[0])
         return Call(getattr(getattr(found, name.split("::")[1].split(".")[0]), overload), args, kwargs)
     except (RuntimeError, AttributeError, TypeError):
@@ -264,7 +264,7 @@ def run(
             warnings.catch_warnings(),
             torch.random.fork_rng(devices=[]),
             torch.no_grad(),
-            torch._C._ExcludeDispatchKeyGuard(_keys()),
+            _compat.ExcludeDispatchKeyGuard(_keys()),
         ):
             warnings.simplefilter("ignore")
             args, kwargs = pytree.tree_map(
@@ -281,14 +281,11 @@ def run(
 
 def callees(call: Call, categories: dict[Op, Category], depth: int = 2) -> list[tuple[Op, Category]]:
     """The ops with a category that an op with none reaches through its CompositeImplicitAutograd kernel."""
-    if depth == 0 or not torch._C._dispatch_has_kernel_for_dispatch_key(
-        _tables.qualified(call.op), "CompositeImplicitAutograd"
-    ):
+    if depth == 0 or not _compat.has_kernel(_tables.qualified(call.op), "CompositeImplicitAutograd"):
         return []
 
     def decomposed(*args: Any, **kwargs: Any) -> Any:
-        with torch._C.DisableTorchFunction():
-            return call.op._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
+        return _compat.call_at_key(call.op, "CompositeImplicitAutograd", args, kwargs)
 
     found: list[tuple[Op, Category]] = []
     for inner in aten_calls(decomposed, call.args, call.kwargs):

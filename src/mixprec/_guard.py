@@ -16,13 +16,13 @@ code, a module policy, a kernel):
   autocast state only, so a policy it would drop is refused.
 
 Dynamo's internals used here (``skip_code``, the instruction translator, the
-tracing context's guards, inductor's custom-pass hook) are private; each use
-names what it relies on, and tests/test_compile.py pins them.
+tracing context's guards, inductor's custom-pass hook) are private: they are
+reached through ``_compat``, which names the torch source of each and the
+releases it was checked on.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import types
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _errors, _install, _state, _tables
+from mixprec import _compat, _errors, _install, _state, _tables
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _DYNAMO = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep + "_dynamo" + os.sep
@@ -86,46 +86,15 @@ def keep_eager() -> None:
 
     When dynamo gives up on a frame that holds a mixprec region (a graph break inside it), it runs the frame
     eagerly and compiles the frames that frame calls: mixprec's entry, exit and kernels must then run
-    eagerly, as the region was opened, not be traced as frames of their own. ``skip_code`` marks a code
-    object so (dynamo's ``eval_frame``; torch 2.13); it is done once per loaded mixprec module, the first
-    time a trace meets mixprec. ``contact`` covers a trace that began at a mixprec frame before this ran.
+    eagerly, as the region was opened, not be traced as frames of their own. Done once per loaded mixprec
+    module, the first time a trace meets mixprec. ``contact`` covers a trace that began at a mixprec frame
+    before this ran.
     """
     modules = [m for name, m in list(sys.modules.items()) if name.startswith("mixprec.") and name not in _kept]
-    if not modules:
-        return
-    from torch._dynamo.eval_frame import skip_code
-
     for module in modules:
         for code in _code_objects(module):
-            skip_code(code)
+            _compat.skip_code(code)
         _kept.add(module.__name__)
-
-
-def current_tx() -> Any:
-    """Dynamo's instruction translator for the frame being traced, or None (not under dynamo's tracing)."""
-    from torch._dynamo.symbolic_convert import InstructionTranslator
-
-    try:
-        return InstructionTranslator.current_tx()
-    except AttributeError:
-        return None
-
-
-@functools.cache
-def torch_regions_traceable() -> bool:
-    """Whether dynamo can take a ``torch.autocast`` returned by a user class's ``__new__``.
-
-    Its polyfill that makes user-defined objects asks ``isinstance(obj, cls)`` of the result, which needs
-    ``AutocastModeVariable.python_type``: torch 2.13 and 2.15 have it, 2.10 does not (there, dynamo refuses
-    with "builtin isinstance() cannot determine type of argument"; such regions stay mixprec's objects).
-    """
-    from torch._dynamo.variables.ctx_manager import AutocastModeVariable
-
-    return "python_type" in vars(AutocastModeVariable)
-
-
-#: The instructions that open a ``with`` statement on the value a call just made (3.10; 3.11-3.13).
-_WITH = ("SETUP_WITH", "BEFORE_WITH")
 
 
 def made_for_with() -> bool:
@@ -136,10 +105,9 @@ def made_for_with() -> bool:
     for a subclass, the subclass's ``__new__``; the next instruction of the frame above those tells.
     Anything unexpected answers False (the region is then mixprec's object, which is right everywhere).
     """
-    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
-
+    translator = _compat.translator_class()
     frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None and not isinstance(frame.f_locals.get("self"), InstructionTranslatorBase):
+    while frame is not None and not isinstance(frame.f_locals.get("self"), translator):
         frame = frame.f_back
     if frame is None:
         return False
@@ -151,7 +119,7 @@ def made_for_with() -> bool:
         tx = tx.parent
     if tx is None or tx.instruction_pointer is None or tx.instruction_pointer >= len(tx.instructions):
         return False
-    return bool(tx.instructions[tx.instruction_pointer].opname in _WITH)
+    return bool(tx.instructions[tx.instruction_pointer].opname in _compat.WITH_OPCODES)
 
 
 def contact() -> None:
@@ -161,15 +129,13 @@ def contact() -> None:
     then runs it eagerly, as its caller did); snapshot mixprec's state at the frame's entry for the guards;
     and put the thread's state back when the trace ends, since ``push`` runs while tracing.
     """
-    context = torch._guards.TracingContext.try_get()
+    context = _compat.tracing_context()
     if context is None or getattr(context, "_mixprec_entry", None) is not None:
         return
     keep_eager()
-    tx = current_tx()
+    tx = _compat.current_translator()
     if tx is not None and tx.output.root_tx.f_code.co_filename.startswith(_PACKAGE):
-        from torch._dynamo.exc import SkipFrame
-
-        raise SkipFrame("mixprec's own functions run eagerly")
+        raise _compat.skip_frame("mixprec's own functions run eagerly")
     setattr(context, "_mixprec_entry", entry_key())  # noqa: B010 - a private mark on torch's object
     if tx is None:  # AOTAutograd or export without dynamo: no trace of ours to restore after
         return
@@ -182,7 +148,7 @@ def contact() -> None:
         state.module_policies[:] = saved[1]
         _state.release(state)
 
-    tx.output.add_cleanup_hook(restore)
+    _compat.add_cleanup(tx, restore)
 
 
 # ---------------------------------------------------------------- guards
@@ -196,7 +162,7 @@ def guard_trace() -> None:
     guard does, and puts the state into inductor's cache key through a custom pass's ``uuid`` (the
     AOTAutograd cache keys a graph on autocast's enabled flag and dtype only).
     """
-    context = torch._guards.TracingContext.try_get()
+    context = _compat.tracing_context()
     if context is None:
         return
     contact()
@@ -207,40 +173,10 @@ def guard_trace() -> None:
     state = _state.get()
     alive = (list(state.active.values()), list(state.module_policies))  # keeps the ids in key valid
     described = ", ".join(f"{d}: {s.policy.name}" for d, s in state.active.items()) or "none"
-    from torch._dynamo.source import GlobalStateSource
-
-    def create(builder: Any, guard: Any) -> None:
-        builder.guard_manager.root.add_lambda_guard(
-            lambda _: entry_key() == key and alive is not None,
-            [f"mixprec settings == ({described})"],
-            guard.user_stack,
-        )
-
-    context.guards_context.dynamo_guards.add(torch._guards.Guard(GlobalStateSource(), create))
-    _key_inductor_cache(key)
-
-
-class _SettingsPass:
-    """A no-op post-grad pass whose ``uuid`` carries mixprec's settings into inductor's cache key."""
-
-    def __init__(self, key: tuple[Any, ...], inner: Any) -> None:
-        self.key, self.inner = key, inner
-
-    def __call__(self, graph: Any) -> None:
-        if self.inner is not None:
-            self.inner(graph)
-
-    def uuid(self) -> Any:
-        inner = self.inner.uuid() if self.inner is not None and hasattr(self.inner, "uuid") else None
-        return ("mixprec", repr(self.key), inner)
-
-
-def _key_inductor_cache(key: tuple[Any, ...]) -> None:
-    import torch._inductor.config as config
-
-    current = config.post_grad_custom_pre_pass
-    inner = current.inner if isinstance(current, _SettingsPass) else current
-    config.post_grad_custom_pre_pass = _SettingsPass(key, inner)
+    _compat.add_global_guard(
+        context, lambda: entry_key() == key and alive is not None, f"mixprec settings == ({described})"
+    )
+    _compat.key_inductor(key)
 
 
 # ---------------------------------------------------------------- export
@@ -256,7 +192,7 @@ def _refuse(setting: _state.Setting, what: str, loses: str, fix: str) -> None:
     Emulated compute is not refused: it has native's casts and dtypes, and the exported program runs its
     low-precision ops on the kernels of the device it is deployed on.
     """
-    if not torch.compiler.is_exporting() or not _tables.effective(setting.policy, setting.device_type)[1]:
+    if not _compat.exporting() or not _tables.effective(setting.policy, setting.device_type)[1]:
         return
     raise RuntimeError(_errors.message(what, _RECORDED + loses, received={"policy": setting.policy}, fix=fix))
 

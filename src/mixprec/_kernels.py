@@ -21,7 +21,6 @@ Each kernel serves every thread and every region::
 
 from __future__ import annotations
 
-import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _cast, _errors, _guard, _install, _recompute, _rules, _state, _tables
+from mixprec import _cast, _compat, _errors, _guard, _install, _recompute, _rules, _state, _tables
 from mixprec.policies import Category, Policy
 
 Op = torch._ops.OpOverload
@@ -65,9 +64,9 @@ def _emulated(setting: _state.Setting, op: Op) -> bool:
 def ensure(setting: _state.Setting) -> None:
     """Register the kernels ``setting`` needs and does not have yet (memoized per setting)."""
     global _reset_pending
-    if _reset_pending and not torch.compiler.is_compiling():
+    if _reset_pending and not _compat.tracing():
         _reset_pending = False
-        torch._dynamo.reset()  # kernels registered while tracing: graphs compiled before them carry no guard
+        _compat.reset_dynamo()  # kernels registered while tracing: graphs compiled before them carry no guard
     if _ensured.get(setting.key) is setting.policy:
         object.__setattr__(setting, "ready", generation)  # a frozen dataclass: the one mutable mark
         return
@@ -108,21 +107,21 @@ def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=".*Warning only once for all operators.*")
                 warnings.filterwarnings("ignore", message=".*previously registered kernel.*")
-                library.impl(name, _kernel(op, device_type, key), key, with_keyset=True)
+                _compat.register_kernel(library, name, _kernel(op, device_type, key), key)
             done.add(op)
             grew = True
         if grew:
             _state.holders.add(_state.KERNELS)  # regions of the default policy must set their setting now
             _cast.follow_torch(True)  # the kernels cache as torch does in plain regions: clear with torch
-    if grew and "torch._dynamo" in sys.modules:
+    if grew and _compat.dynamo_loaded():
         # Graphs compiled before saw no kernel for these ops and carry no guard on mixprec's settings. While a
         # trace runs, dynamo cannot be reset: the next eager ``ensure`` does it (a new generation sends every
         # region there on its next entry).
-        if torch.compiler.is_compiling():
+        if _compat.tracing():
             global generation, _reset_pending
             _reset_pending, generation = True, object()
         else:
-            torch._dynamo.reset()
+            _compat.reset_dynamo()
 
 
 def reset() -> None:
@@ -131,7 +130,7 @@ def reset() -> None:
     with _lock:
         generation = object()
         for library in _libraries.values():
-            library._destroy()
+            _compat.destroy_library(library)
         _libraries.clear()
         _registered.clear()
         _ensured.clear()
@@ -191,11 +190,12 @@ def native_entries(device_type: str) -> dict[Op, Entry]:
 
 
 def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
-    dispatch_key = getattr(torch._C.DispatchKey, key)
+    dispatch_key = _compat.dispatch_key(key)
     exclude = torch._C.DispatchKeySet(dispatch_key)
-    after = torch._C._dispatch_keyset_full_after(dispatch_key)
+    after = _compat.keyset_after(dispatch_key)
     get_dtype = torch.get_autocast_dtype
-    is_compiling = torch.compiler.is_compiling
+    is_compiling = _compat.tracing
+    exclude_guard = _compat.ExcludeDispatchKeyGuard
     in_checkpointed_forward = _recompute.in_forward
     state = _state.get()
     # Positions of Tensor parameters after the first: a Python number there reached the kernel as torch
@@ -230,11 +230,11 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
             if maybe_scalar and any(i < len(args) and type(args[i]) in _NUMBERS for i in maybe_scalar):
                 # Below autocast by another route: the op with the Autocast key excluded (it has a kernel of
                 # its own there, not a decomposition that autocast would meet).
-                with torch._C._ExcludeDispatchKeyGuard(exclude):
+                with exclude_guard(exclude):
                     return op(*args, **kwargs)
             return op.redispatch(keyset & after, *args, **kwargs)
         rule, emulate = entry
-        with torch._C._ExcludeDispatchKeyGuard(exclude):
+        with exclude_guard(exclude):
             return rule(op, device_type, get_dtype(device_type), emulate, args, kwargs)
 
     kernel.__name__ = f"mixprec_autocast_{op.overloadpacket.__name__}"

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _autocast, _cast, _compile, _devices, _errors, _recompute, _state
+from mixprec import _autocast, _cast, _compat, _compile, _devices, _errors, _recompute, _state
 from mixprec.policies import Policy
 
 FP32 = "fp32"
@@ -59,14 +59,14 @@ class _Level:
             for device in self.devices:
                 dtype, cache = torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled()
                 if isinstance(policy, Policy):
-                    token = _compile.module_token(device, policy)
+                    token = _compile.module_token(device, _compat.to_constant(policy))
                     opened = _autocast.level(device, None, dtype, True, cache, token)
                 else:
                     opened = _autocast.level(device, None, dtype, False, cache)
                 opened.__enter__()
                 self.opened.append(opened)
             if isinstance(policy, Policy):
-                _compile.push_module(_compile.policy_token(policy))
+                _compile.push_module(_compile.policy_token(_compat.to_constant(policy)))
             return self
         state = _state.get()
         self.devices = tuple(_devices.enabled())

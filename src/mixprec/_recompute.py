@@ -32,39 +32,11 @@ from typing import Any
 
 import torch
 
-from mixprec import _install, _state
+from mixprec import _compat, _install, _state
 
 _ATTRIBUTE = "_mixprec_settings"
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_codes: dict[str, Any] = {}
-
-
-def _checkpoint_code(name: str) -> Any:
-    """``CheckpointFunction.forward`` / ``.backward``'s code objects (looked up once)."""
-    code = _codes.get(name)
-    if code is None:
-        from torch.utils.checkpoint import CheckpointFunction
-
-        code = _codes[name] = getattr(CheckpointFunction, name).__code__
-    return code
-
-
-def _frame_of(hook: Any) -> Any:
-    """The ``_CheckpointFrame`` a checkpoint's saved-tensor hook closes over, or None."""
-    while hasattr(hook, "__wrapped__"):  # the recomputation hook is wrapped in torch._dynamo.disable
-        hook = hook.__wrapped__
-    code = getattr(hook, "__code__", None)
-    if code is None or not hook.__closure__:
-        return None
-    for name, cell in zip(code.co_freevars, hook.__closure__, strict=False):
-        if name == "frame":
-            found = cell.cell_contents
-        elif name == "target_frame_ref":
-            found = cell.cell_contents()
-        else:
-            continue
-        return found if type(found).__name__ == "_CheckpointFrame" else None
-    return None
+_top_hooks = _compat.top_saved_tensors_hooks
+_frame_of = _compat.checkpoint_frame_of
 
 
 def _reentrant_ctx(code: Any) -> Any:
@@ -83,7 +55,7 @@ def _holder(forward: bool) -> Any:
         return _frame_of(hooks[0])
     if forward and torch.is_grad_enabled():
         return None
-    return _reentrant_ctx(_checkpoint_code("forward" if forward else "backward"))
+    return _reentrant_ctx(_compat.checkpoint_function_code("forward" if forward else "backward"))
 
 
 #: Left by a forward that ran torch's native behaviour, so that its recompute does too (even if
@@ -98,7 +70,7 @@ def record(setting: _state.Setting) -> None:
     _leave(setting.device_type, setting)
 
 
-_task_id = torch._C._current_graph_task_id
+_task_id = _compat.graph_task_id
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -123,7 +95,7 @@ def record_native(device_type: str) -> None:
 
 
 def _leave(device_type: str, value: Any) -> None:
-    if torch.compiler.is_compiling():
+    if _compat.tracing():
         return
     holder = _holder(forward=True)
     if holder is None:
@@ -146,7 +118,7 @@ def around(device_type: str) -> _state.Setting | None:
 
 def setting(device_type: str) -> Any:
     """In a recompute: the setting its forward left for ``device_type``, ``NATIVE``, or None (none was left)."""
-    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() < 0:
+    if _compat.tracing() or _task_id() < 0:
         return None
     holder = _holder(forward=False)
     settings = getattr(holder, _ATTRIBUTE, None) if holder is not None else None

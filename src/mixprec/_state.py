@@ -21,6 +21,7 @@ import functools
 import threading
 from typing import Any
 
+from mixprec import _compat
 from mixprec.policies import Policy
 
 
@@ -35,6 +36,9 @@ class Setting:
     from_module: bool = False  # set by set_module_policy's hook (which runs again in a checkpoint's recompute)
     #: Not a field: ``_kernels.generation`` once ``_kernels.ensure`` registered what this setting needs.
     ready = None
+
+    def __post_init__(self) -> None:
+        _compat.share(self)  # findable from compiled code on releases whose dynamo cannot pass it
 
     @functools.cached_property
     def key(self) -> tuple[str, int, bool, frozenset[str], bool]:

@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from mixprec import _devices, _errors
+from mixprec import _compat, _devices, _errors
 from mixprec.policies import Category, Policy
 
 Op = torch._ops.OpOverload
@@ -43,11 +43,11 @@ def default_policy(device_type: str) -> Policy:
 
 def autocast_key(device_type: str) -> str | None:
     """The name of the device's Autocast dispatch key (``AutocastCPU``), or None if Python cannot reach it."""
-    try:
-        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-    except RuntimeError:
+    backend = _compat.backend_key(device_type)
+    if backend is None:
         return None
-    return key if hasattr(torch._C.DispatchKey, key) else None
+    key = "Autocast" + backend
+    return key if _compat.dispatch_key(key) is not None else None
 
 
 def qualified(op: Op) -> str:
@@ -95,7 +95,7 @@ def categories(policy: Policy) -> dict[Op, Category]:
 @functools.cache
 def native_registrations(key: str) -> frozenset[str]:
     """The overloads torch itself has kernels for at ``key``, read before mixprec registers any there."""
-    return frozenset(torch._C._dispatch_get_registrations_for_dispatch_key(key))
+    return frozenset(_compat.registrations(key))
 
 
 def native(device_type: str) -> dict[Op, Category]:
@@ -157,23 +157,41 @@ _checked: set[str] = set()
 
 
 def check_native(device_type: str) -> None:
-    """Warn once per device if its default table and torch's Autocast kernels name different ops."""
+    """Warn once per device if its default table and torch's Autocast kernels name different ops.
+
+    The default tables hold one table per supported release, so this warns only on a torch newer than the
+    tested range whose kernels moved (``tests/test_compat.py`` checks each supported release's table).
+    """
     if device_type in _checked:
         return
     _checked.add(device_type)
     key = autocast_key(device_type)
     if key is None or default_policy(device_type).name != _devices.spec(device_type).policy:
         return
-    torch_ops = {r.split("::")[1].split(".")[0] for r in native_registrations(key) if r.startswith("aten::")}
-    table = {name.split("::")[-1].split(".")[0] for name in default_policy(device_type).table}
+    torch_ops, table = native_difference(device_type, key)
     if torch_ops == table or device_type not in ("cpu", "cuda"):
         return
     _errors.warn(
         _errors.message(
             f"mixprec's default {device_type} policy does not match this torch's autocast kernels",
-            "torch " + torch.__version__ + " has Autocast kernels for other ops than the table lists",
+            f"torch {torch.__version__} is newer than the releases mixprec is tested on, and its Autocast kernels "
+            f"cover other ops than torch {_compat.table_release()}'s table",
             received={"only_in_torch": sorted(torch_ops - table), "only_in_table": sorted(table - torch_ops)},
             fix="mixprec follows torch's kernels for the default policy; explain() reports what torch applies.",
         ),
         _errors.MixprecWarning,
     )
+
+
+def native_difference(device_type: str, key: str) -> tuple[set[str], set[str]]:
+    """``(ops torch registers at key, ops the default table lists)``, by op name; ops only some builds
+    register (cuDNN's) count as the table's when torch lacks them."""
+    import importlib
+
+    from mixprec.policies import BUILTIN
+
+    torch_ops = {r.split("::")[1].split(".")[0] for r in native_registrations(key) if r.startswith("aten::")}
+    table = {name.split("::")[-1].split(".")[0] for name in default_policy(device_type).table}
+    module = importlib.import_module(f"mixprec.policies.{BUILTIN[_devices.spec(device_type).policy]}")
+    optional = set(getattr(module, "BUILD_DEPENDENT", ()))
+    return torch_ops | (optional & table), table

@@ -41,6 +41,11 @@ def show(device: str) -> None:
     spec = _devices.DEVICES.get(device)
     policy = resolve(device)
     title = f"Policy {policy.name}"
+    import mixprec
+
+    release = mixprec.policies.describes(policy)
+    if release is not None:
+        title += f", {release}'s native autocast"
     if spec is not None:
         dtypes = ", ".join(_devices.dtype_name(d) for d in spec.supported_dtypes)
         title += f" (device {device}: default dtype {_devices.dtype_name(spec.default_dtype)}; supports {dtypes})"

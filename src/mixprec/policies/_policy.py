@@ -10,7 +10,7 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from mixprec import _errors
+from mixprec import _compat, _errors
 from mixprec.policies import _advice, _names, _resolve, _serial
 
 
@@ -86,6 +86,7 @@ class Policy:
 
     def __post_init__(self) -> None:
         _check_fields(self.name, self.table, self.base)
+        _compat.share(self)  # findable from compiled code on releases whose dynamo cannot pass it
 
     @classmethod
     def from_lists(cls, name: str, lists: Mapping[str, Iterable[str]], base: str | None = None) -> Policy:

@@ -6,8 +6,14 @@ checks that the committed file matches.
 
 from __future__ import annotations
 
+import importlib
+
 import mixprec.policies as policies
+from mixprec import _compat
 from mixprec.policies._policy import Category, Policy
+
+#: The release whose native tables the document lists (the others are listed as differences from 2.13's).
+SHOWN = _compat.NEWEST
 
 _COMPARISONS = (("CPU", "CPU_DOCUMENTED"), ("CUDA", "CUDA_DOCUMENTED"))
 _NOTES = {
@@ -36,12 +42,12 @@ def _difference(default: Policy, documented: Policy) -> list[str]:
     only_default = [n for n in names if n not in documented.table]
     only_documented = [n for n in names if n not in default.table]
     moved = [
-        f"`{n}`: {documented.table[n].value} in the docs, {default.table[n].value} in torch 2.13"
+        f"`{n}`: {documented.table[n].value} in the docs, {default.table[n].value} in torch {SHOWN}"
         for n in names
         if n in default.table and n in documented.table and default.table[n] is not documented.table[n]
     ]
     lines = [f"### {default.name} vs {documented.name}", ""]
-    lines.append(f"- Listed by torch 2.13 only: {_ops(only_default)}")
+    lines.append(f"- Listed by torch {SHOWN} only: {_ops(only_default)}")
     lines.append(f"- Listed by the docs only: {_ops(only_documented)}")
     lines.append("- In another category:" + ("" if moved else " none"))
     lines += [f"  - {m}" for m in moved]
@@ -72,6 +78,32 @@ def _divergences() -> list[str]:
     return [*lines, ""]
 
 
+def _shown(name: str) -> Policy:
+    """A built-in policy as it is on the release the document shows (documented lists: as they are)."""
+    return Policy.from_lists(name, policies.lists(name, SHOWN), base=name)
+
+
+def _releases() -> list[str]:
+    lines = ["## Per torch release", ""]
+    lines.append(
+        "`CPU` and `CUDA` follow the installed torch: each supported release has its own table, "
+        "written as its difference from torch 2.13's in the policy's data module "
+        "(`src/mixprec/policies/cpu.py`, `cuda.py`). `mixprec.explain()` and `mixprec policy show` name the "
+        "release a table describes."
+    )
+    lines.append("")
+    for name in policies.NATIVE:
+        module = importlib.import_module(f"mixprec.policies.{policies.BUILTIN[name]}")
+        lines += [f"### {name}", ""]
+        for release, change in module.RELEASES.items():
+            parts = [f"adds {category} {_ops(list(ops))}" for category, ops in change.items() if category != "removed"]
+            if change.get("removed"):
+                parts.append(f"does not list {_ops(list(change['removed']))}")
+            lines.append(f"- torch {release}: " + ("; ".join(parts) if parts else "as 2.13"))
+        lines.append("")
+    return lines
+
+
 def render() -> str:
     """The whole of docs/policies.md."""
     lines = [
@@ -79,9 +111,10 @@ def render() -> str:
         "",
         "Generated from `src/mixprec/policies/` by `python -m mixprec.policies._report`; do not edit.",
         "",
-        "`CPU` and `CUDA` reproduce torch 2.13's native autocast; `CPU_DOCUMENTED` and",
-        "`CUDA_DOCUMENTED` hold the lists of the torch.cpu.amp and torch.cuda.amp references;",
-        "`XPU` is the XPU AMP guide's list.",
+        "`CPU` and `CUDA` reproduce the installed torch's native autocast, one table per supported",
+        f"release (torch {_compat.OLDEST} to {_compat.NEWEST}); the tables below are torch {SHOWN}'s, and",
+        "\"Per torch release\" says how the others differ. `CPU_DOCUMENTED` and `CUDA_DOCUMENTED` hold the",
+        "lists of the torch.cpu.amp and torch.cuda.amp references; `XPU` is the XPU AMP guide's list.",
         "",
         "Each is a starting point: `Policy.with_ops` / `without_ops` derive a changed policy,",
         "`Policy.from_file` reads one from TOML, and `mixprec.explain(op)` says which table an op's",
@@ -91,11 +124,12 @@ def render() -> str:
         "",
     ]
     for default, documented in _COMPARISONS:
-        lines += _difference(getattr(policies, default), getattr(policies, documented))
+        lines += _difference(_shown(default), _shown(documented))
     lines += _divergences()
-    lines += ["## The tables", ""]
+    lines += _releases()
+    lines += [f"## The tables (torch {SHOWN})", ""]
     for name in policies.BUILTIN:
-        lines += _listing(getattr(policies, name))
+        lines += _listing(_shown(name))
     return "\n".join(lines).rstrip() + "\n"
 
 

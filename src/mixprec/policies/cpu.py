@@ -1,4 +1,7 @@
-"""CPU default policy: what torch 2.13's native CPU autocast does.
+"""CPU default policy: what native CPU autocast does, release by release.
+
+``TABLE`` is torch 2.13's; ``RELEASES`` says how each other supported release
+differs from it.
 
 The ops that have a kernel at the AutocastCPU dispatch key
 (``torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")``),
@@ -44,4 +47,17 @@ TABLE = {
     "lower_precision_fp": LOWER_PRECISION_FP,
     "fp32": FP32,
     "promote": PROMOTE,
+}
+
+#: How each supported release's native CPU autocast differs from 2.13's ``TABLE``: ops it adds, by
+#: category, and ops it no longer registers (``"removed"``). Read off each release's AutocastCPU
+#: registrations and the added ops' behaviour (``tools/native_tables.py``); tests/test_compat.py checks
+#: the installed release's table against its kernels. A release with no entry has 2.13's table.
+RELEASES = {
+    "2.10": {},
+    "2.11": {},
+    "2.12": {},
+    "2.13": {},
+    "2.14": {"fp32": ("linalg_matrix_sqrth",), "removed": ("cholesky", "qr")},
+    "2.15": {"fp32": ("linalg_matrix_sqrth",), "removed": ("cholesky", "qr")},
 }

@@ -1,7 +1,9 @@
-"""CUDA default policy: what torch 2.13's native CUDA autocast does.
+"""CUDA default policy: what native CUDA autocast does, release by release.
 
-The lists of ATen's ``autocast_mode.h`` (shared by CUDA and XPU in torch) plus
-the CUDA-only registrations (cuDNN convolutions, the binary_cross_entropy ban).
+``TABLE`` is torch 2.13's: the lists of ATen's ``autocast_mode.h`` (shared by
+CUDA and XPU in torch) plus the CUDA-only registrations (cuDNN convolutions,
+cuDNN's RNN, the binary_cross_entropy ban). ``RELEASES`` says how each other
+supported release differs from it.
 """
 
 LOWER_PRECISION_FP = (
@@ -12,6 +14,7 @@ LOWER_PRECISION_FP = (
     "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell",
     "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention",
     "scaled_dot_product_attention",
+    "_cudnn_rnn",  # registered by builds with cuDNN only (aten/src/ATen/cudnn/AutocastRNN.cpp)
 )
 
 FP32 = (
@@ -50,3 +53,19 @@ TABLE = {
     "promote": PROMOTE,
     "banned": BANNED,
 }
+
+#: How each supported release's native CUDA autocast differs from 2.13's ``TABLE``: ops it adds, by
+#: category, and ops it does not register (``"removed"``). Read off each release's AutocastCUDA
+#: registrations and the added ops' behaviour on fake CUDA tensors (``tools/native_tables.py``);
+#: tests/test_compat.py checks the installed release's table against its kernels.
+RELEASES = {
+    "2.10": {"removed": ("rms_norm",)},
+    "2.11": {"removed": ("rms_norm",)},
+    "2.12": {},
+    "2.13": {},
+    "2.14": {"fp32": ("linalg_matrix_sqrth",)},
+    "2.15": {"fp32": ("linalg_matrix_sqrth",)},
+}
+
+#: Ops only some builds register (cuDNN's), so a build without them still matches the table.
+BUILD_DEPENDENT = ("_cudnn_rnn",)

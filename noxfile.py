@@ -1,0 +1,117 @@
+"""The torch-release matrix, one nox session per supported release.
+
+    nox -s tests-2.11                            the whole suite on torch 2.11
+    nox -s tests-2.11 -- --version-sensitive     only the tests that touch torch internals which move
+                                                 between releases
+    nox -s compatibility                         docs/compatibility.md from the sessions' results
+    nox                                          what CI runs: the whole suite on the oldest and the
+                                                 newest release, the version-sensitive tests on every
+                                                 release in between, then the compatibility table
+
+The supported releases are ``TESTED`` in ``src/mixprec/_compat.py``; this file reads that table
+without importing mixprec, so nox itself never needs torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import nox
+
+ROOT = pathlib.Path(__file__).parent
+RESULTS = ROOT / ".compat"
+TABLE, DOCUMENT = ROOT / "tools" / "compat_table.py", ROOT / "docs" / "compatibility.md"
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["ci"]
+
+
+def _tested() -> dict[str, str]:
+    """``TESTED`` from ``_compat.py``: minor release -> the exact release the matrix installs."""
+    tree = ast.parse((ROOT / "src" / "mixprec" / "_compat.py").read_text())
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and target.id == "TESTED" and node.value is not None:
+            return dict(ast.literal_eval(node.value))
+    raise RuntimeError("src/mixprec/_compat.py defines no TESTED table")
+
+
+TESTED = _tested()
+ORDER = sorted(TESTED, key=lambda release: tuple(int(part) for part in release.split(".")))
+OLDEST, NEWEST = ORDER[0], ORDER[-1]
+# Transformers 5 on the newest release, 4 on the others: both majors are exercised every run.
+TRANSFORMERS = {NEWEST: "transformers>=5"}
+
+
+def _tests(release: str):
+    def tests(session: nox.Session) -> None:
+        venv = pathlib.Path(session.virtualenv.location)
+        # The machine's pip configuration may cap torch below the release asked for; a constraints
+        # file of this venv's own takes that cap's place for this venv only.
+        constraint = venv / "constraints.txt"
+        constraint.write_text(f"torch=={TESTED[release]}\n")
+        env = {"PIP_CONSTRAINT": str(constraint)}
+        session.install("--upgrade", "pip", env=env)
+        session.install(f"torch=={TESTED[release]}", env=env)
+        session.install("-e", ".[test]", TRANSFORMERS.get(release, "transformers<5"), env=env)
+        RESULTS.mkdir(exist_ok=True)
+        run = {"MIXPREC_COMPAT_RESULTS": str(RESULTS / f"{release}.json"), "MIXPREC_EXPECT_TORCH": TESTED[release]}
+        session.run("python", "-m", "pytest", *session.posargs, env=run)
+
+    tests.__doc__ = f"The suite on torch {TESTED[release]} (pass -- --version-sensitive for the compat subset)."
+    return tests
+
+
+for _release in ORDER:
+    nox.session(name=f"tests-{_release}")(_tests(_release))
+
+
+@nox.session(venv_backend="none")
+def ci(session: nox.Session) -> None:
+    """The whole suite on the newest and the oldest release, the version-sensitive tests in between, then the
+    compatibility table; fails if any release failed. The other releases' venvs install in the background
+    while the newest one's tests run (downloads and unpacking against a CPU-bound suite)."""
+    import subprocess
+    import sys
+    import time
+
+    import shutil
+
+    shutil.rmtree(RESULTS, ignore_errors=True)  # this run's results only
+    nox_cmd = [sys.executable, "-m", "nox"]
+    later = [OLDEST, *ORDER[1:-1]]
+    (ROOT / ".nox").mkdir(exist_ok=True)
+    log_path = ROOT / ".nox" / "background-installs.log"
+    with log_path.open("w") as log:
+        background = subprocess.Popen(
+            [*nox_cmd, "--install-only", "-s", *(f"tests-{r}" for r in later)],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        )
+        runs = [(NEWEST, [], [])]
+        runs.append((OLDEST, ["--reuse-existing-virtualenvs", "--no-install"], []))
+        runs += [(r, ["--reuse-existing-virtualenvs", "--no-install"], ["--version-sensitive"]) for r in ORDER[1:-1]]
+        failed, took = [], {}
+        for release, options, pytest_args in runs:
+            if options and background.poll() is None:
+                session.log("waiting for the background installs")
+                background.wait()
+            if options and background.returncode != 0:
+                session.error(f"installing the other releases failed: see {log_path}")
+            start = time.monotonic()
+            done = subprocess.run(
+                [*nox_cmd, *options, "-s", f"tests-{release}", "--", *pytest_args, *session.posargs], cwd=ROOT
+            )
+            took[release] = time.monotonic() - start
+            if done.returncode != 0:
+                failed.append(release)
+    session.run("python3", str(TABLE), str(RESULTS), str(DOCUMENT), success_codes=[0, 1])
+    session.log("minutes per release: " + ", ".join(f"{r} {t / 60:.1f}" for r, t in took.items()))
+    if failed:
+        session.error(f"tests failed on torch {', '.join(failed)}")
+
+
+@nox.session(venv_backend="none")
+def compatibility(session: nox.Session) -> None:
+    """docs/compatibility.md from the results the test sessions left in .compat/."""
+    session.run("python3", str(TABLE), str(RESULTS), str(DOCUMENT))

@@ -1,0 +1,411 @@
+"""Every torch internal that differs between the releases mixprec supports, in one place.
+
+mixprec's engine reaches into torch where torch has no public API: the dispatcher's Autocast
+keys, dynamo's tracing state and guards, inductor's cache key, autograd's saved-tensor hooks.
+Those move between releases. Each use lives here, names the torch source it relies on and the
+releases it was checked on (the ``nox -s tests-X`` matrix, see ``docs/compatibility.md``), and
+where a release cannot do what mixprec needs, the function refuses with an error that names the
+release and the alternative, never a silent wrong result.
+
+Nothing here runs at import time except the release check ``require_supported``, which
+``import mixprec`` calls.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from mixprec import _errors
+
+# ---------------------------------------------------------------- the supported range
+
+#: The supported releases: each minor release and the exact release the test matrix installs.
+#: ``noxfile.py`` reads this table (without importing mixprec); keep it a literal.
+TESTED: dict[str, str] = {
+    "2.10": "2.10.0",
+    "2.11": "2.11.0",
+    "2.12": "2.12.1",
+    "2.13": "2.13.0",
+    "2.14": "2.14.1",
+    "2.15": "2.15.0",
+}
+OLDEST = min(TESTED, key=lambda r: tuple(map(int, r.split("."))))
+NEWEST = max(TESTED, key=lambda r: tuple(map(int, r.split("."))))
+
+
+def parse(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string: ``"2.15.0+cu132"`` -> ``(2, 15)``."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"not a torch version: {version!r}")
+    return int(found.group(1)), int(found.group(2))
+
+
+#: The installed torch's ``(major, minor)``.
+RELEASE: tuple[int, int] = parse(torch.__version__)
+
+
+def release_name(release: tuple[int, int] = RELEASE) -> str:
+    return f"{release[0]}.{release[1]}"
+
+
+def at_least(major: int, minor: int) -> bool:
+    return (major, minor) <= RELEASE
+
+
+class UntestedTorchWarning(_errors.MixprecWarning):
+    """The installed torch is newer than the releases mixprec was tested on."""
+
+
+def require_supported(version: str = torch.__version__) -> None:
+    """Refuse a torch older than the range; warn once about one newer than it (``import mixprec`` calls this)."""
+    release = parse(version)
+    supported = f"torch {OLDEST} to {NEWEST}"
+    if release < parse(OLDEST):
+        raise ImportError(
+            _errors.message(
+                f"mixprec does not support torch {version}",
+                f"mixprec supports {supported}; it relies on torch internals that older releases lack",
+                received={"torch": version},
+                expected=f">= {OLDEST}",
+                fix=f"pip install 'torch>={OLDEST}', or use an older mixprec.",
+            )
+        )
+    if release > parse(NEWEST):
+        import warnings
+
+        warnings.warn(
+            _errors.message(
+                f"mixprec has not been tested on torch {version}",
+                f"mixprec is tested on {supported}; it keeps working, and where this release's autocast "
+                "kernels differ from the newest tested release's, the first region says so",
+                received={"torch": version},
+                fix=f"Report problems with this release; torch {TESTED[NEWEST]} is the newest tested.",
+            ),
+            UntestedTorchWarning,
+            stacklevel=3,
+        )
+
+
+def table_release() -> str:
+    """The tested release whose native autocast tables describe the installed torch: its own, or the
+    newest tested one for a newer torch (the oldest is never needed: older releases are refused)."""
+    return release_name(min(RELEASE, parse(NEWEST)))
+
+
+# ---------------------------------------------------------------- tracing state
+#
+# Checked on 2.10.0, 2.11.0, 2.12.1, 2.13.0, 2.14.1, 2.15.0 (tests/test_compat.py).
+
+
+def _tracing_context() -> Any:
+    """torch/_guards.py ``TracingContext.try_get()``: set on the thread for the whole of a dynamo, AOTAutograd
+    or export trace, on every supported release."""
+    return torch._guards.TracingContext.try_get()
+
+
+def _compiling_or_context() -> bool:
+    return torch.compiler.is_compiling() or torch._guards.TracingContext.try_get() is not None
+
+
+#: Whether a torch.compile or torch.export trace runs on this thread now, asked from anywhere: a dispatcher
+#: kernel, a constant function, a hook. ``torch.compiler.is_compiling()`` (torch/compiler/__init__.py) answers
+#: False inside a dispatcher kernel while dynamo propagates fake tensors on 2.10, 2.11 and 2.12 (it reads a
+#: flag only dynamo's frame evaluation sets there); the tracing context is set then on every release. On 2.13
+#: and later ``is_compiling`` answers True there and is the cheaper call (one per kernel call in eager code).
+tracing: Callable[[], bool] = torch.compiler.is_compiling if at_least(2, 13) else _compiling_or_context
+
+#: Whether torch.export traces now (torch/compiler/__init__.py, every supported release).
+exporting: Callable[[], bool] = torch.compiler.is_exporting
+
+
+def tracing_context() -> Any:
+    """The trace's ``TracingContext`` (it carries dynamo's guards), or None outside a trace."""
+    return _tracing_context()
+
+
+# ---------------------------------------------------------------- dynamo
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def constant(fn: F) -> F:
+    """``torch.compiler.assume_constant_result(fn)`` without importing dynamo (about a second at import).
+
+    Dynamo runs a marked function eagerly and puts its result in the trace as a constant. The mark is the
+    attribute ``_dynamo_marked_constant`` that torch/_dynamo/decorators.py ``assume_constant_result`` sets,
+    on every supported release (tests/test_compile.py compares the marks).
+    """
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+#: Whether dynamo hands a constant function a user-defined object as itself. 2.12 and later do, guarding the
+#: frame on the object's identity (torch/_dynamo/variables/functions.py ``invoke_and_store_as_constant``); 2.10
+#: and 2.11 accept Python constants only ("can't reconstruct arbitrary frozen dataclass instances" for a
+#: Policy), so there the traced code passes ``id(obj)``, which dynamo guards the same way (``call_id``'s
+#: ID_MATCH guard), and the constant function finds the object again through ``share``.
+CONSTANT_TAKES_OBJECTS = at_least(2, 12)
+_shared: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_HANDLE = "mixprec object"
+
+
+def _share(obj: Any) -> None:
+    if not torch.compiler.is_dynamo_compiling():  # one made while dynamo traces has no real object to find
+        _shared[id(obj)] = obj
+
+
+#: Make an object (a Policy, a Setting) findable by ``passed`` while it lives; called as each is made.
+share: Callable[[Any], None] = (lambda obj: None) if CONSTANT_TAKES_OBJECTS else _share
+
+
+def to_constant(obj: Any) -> Any:
+    """In traced code: ``obj`` as a constant function's argument (itself, or a handle dynamo can pass)."""
+    if CONSTANT_TAKES_OBJECTS or obj is None:
+        return obj
+    return (_HANDLE, id(obj))
+
+
+def passed(value: Any) -> Any:
+    """In a constant function: the object ``to_constant`` passed. One made inside the trace has no real
+    object behind it on these releases: refused, as dynamo's own limit on later ones is."""
+    if not (isinstance(value, tuple) and len(value) == 2 and value[0] == _HANDLE):
+        return value
+    found = _shared.get(value[1])
+    if found is None:
+        raise RuntimeError(
+            _errors.message(
+                "mixprec got a policy made inside the compiled function",
+                f"torch {release_name()}'s dynamo passes mixprec only objects made outside the traced code",
+                fix="Build the policy outside the compiled function (e.g. at module level) and pass it in.",
+            )
+        )
+    return found
+
+
+def skip_code(code: types.CodeType) -> None:
+    """Never compile ``code`` as a frame of its own (dynamo still inlines it): torch/_dynamo/eval_frame.py
+    ``skip_code``, every supported release."""
+    from torch._dynamo.eval_frame import skip_code as skip
+
+    skip(code)
+
+
+def skip_frame(reason: str) -> BaseException:
+    """The exception that makes dynamo run the frame it traces eagerly: torch/_dynamo/exc.py ``SkipFrame``
+    (every supported release)."""
+    from torch._dynamo.exc import SkipFrame
+
+    return SkipFrame(reason)
+
+
+def current_translator() -> Any:
+    """Dynamo's instruction translator for the frame being traced, or None: torch/_dynamo/symbolic_convert.py
+    ``InstructionTranslator.current_tx`` (every supported release)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    try:
+        return InstructionTranslator.current_tx()
+    except AttributeError:
+        return None
+
+
+def translator_class() -> type:
+    """torch/_dynamo/symbolic_convert.py ``InstructionTranslatorBase``; its instances have ``f_code``,
+    ``parent``, ``instructions`` and ``instruction_pointer`` on every supported release."""
+    from torch._dynamo.symbolic_convert import InstructionTranslatorBase
+
+    return InstructionTranslatorBase
+
+
+#: The instructions that open a ``with`` statement on the value a call just made (3.10; 3.11-3.13).
+WITH_OPCODES = ("SETUP_WITH", "BEFORE_WITH")
+
+
+@functools.cache
+def returns_torch_autocast() -> bool:
+    """Whether dynamo takes a ``torch.autocast`` that a user class's ``__new__`` returns.
+
+    Dynamo's polyfill that makes user-defined objects asks ``isinstance(obj, cls)`` of the result, which needs
+    ``AutocastModeVariable.python_type`` (torch/_dynamo/variables/ctx_manager.py): 2.12 and later have it;
+    on 2.10 and 2.11 dynamo refuses with "builtin isinstance() cannot determine type of argument", so mixprec
+    keeps its own region object there (right everywhere, one more compiled frame at most).
+    """
+    from torch._dynamo.variables.ctx_manager import AutocastModeVariable
+
+    return "python_type" in vars(AutocastModeVariable)
+
+
+def allow_in_graph(function: Callable[..., Any]) -> None:
+    """torch/_dynamo/decorators.py ``allow_in_graph`` (every supported release)."""
+    import torch._dynamo
+
+    torch._dynamo.allow_in_graph(function)
+
+
+def dynamo_loaded() -> bool:
+    """Whether dynamo was imported (so that it may hold compiled frames)."""
+    return "torch._dynamo" in sys.modules
+
+
+def reset_dynamo() -> None:
+    """Drop every compiled frame (``torch._dynamo.reset``), if dynamo was ever imported."""
+    if dynamo_loaded():
+        torch._dynamo.reset()
+
+
+def add_global_guard(context: Any, check: Callable[[], bool], description: str) -> None:
+    """Guard the frame being compiled on ``check()``: a lambda guard on dynamo's root guard manager, added
+    through the tracing context as torch's own functorch-stack guard is (torch/_guards.py ``Guard``,
+    torch/_dynamo/source.py ``GlobalStateSource``, torch/_dynamo/guards.py ``guard_manager.root.add_lambda_guard``).
+    ``add_lambda_guard`` takes ``(fn, verbose_code_parts, user_stack)`` from 2.11 on, ``(fn,
+    verbose_code_parts)`` on 2.10."""
+    from torch._dynamo.source import GlobalStateSource
+
+    def create(builder: Any, guard: Any) -> None:
+        where = (guard.user_stack,) if at_least(2, 11) else ()
+        builder.guard_manager.root.add_lambda_guard(lambda _: check(), [description], *where)
+
+    context.guards_context.dynamo_guards.add(torch._guards.Guard(GlobalStateSource(), create))
+
+
+def add_cleanup(translator: Any, hook: Callable[[], None]) -> None:
+    """Run ``hook`` when the trace ``translator`` belongs to ends (``OutputGraph.add_cleanup_hook``)."""
+    translator.output.add_cleanup_hook(hook)
+
+
+# ---------------------------------------------------------------- inductor
+
+
+class _SettingsPass:
+    """A no-op post-grad pass whose ``uuid`` names mixprec's settings (and the pass it wraps).
+
+    torch/_inductor/codecache.py keys its FX graph cache on a custom pass's ``uuid`` only for a
+    ``CustomGraphPass``; for any other callable it bypasses the cache (every supported release). This pass is
+    a plain callable on purpose: the AOTAutograd cache keys a graph on autocast's enabled flag and dtype only,
+    so a graph traced under one policy must never be found under another, in this process or the next.
+    """
+
+    def __init__(self, key: tuple[Any, ...], inner: Any) -> None:
+        self.key, self.inner = key, inner
+
+    def __call__(self, graph: Any) -> None:
+        if self.inner is not None:
+            self.inner(graph)
+
+    def uuid(self) -> Any:
+        inner = self.inner.uuid() if self.inner is not None and hasattr(self.inner, "uuid") else None
+        return ("mixprec", repr(self.key), inner)
+
+
+def key_inductor(key: tuple[Any, ...]) -> None:
+    """Carry ``key`` into inductor's compile through ``config.post_grad_custom_pre_pass`` (torch/_inductor/
+    config.py; a ``CustomGraphPassType`` on every supported release), keeping a pass the user set there."""
+    import torch._inductor.config as config
+
+    current = config.post_grad_custom_pre_pass
+    inner = current.inner if isinstance(current, _SettingsPass) else current
+    config.post_grad_custom_pre_pass = _SettingsPass(key, inner)
+
+
+# ---------------------------------------------------------------- dispatcher
+#
+# torch/csrc/utils/python_dispatch.cpp and torch/library.py; the same calls on every supported release.
+
+#: ``torch._C._dispatch_get_registrations_for_dispatch_key(key)``: the ops with a kernel at ``key``.
+registrations: Callable[[str], list[str]] = torch._C._dispatch_get_registrations_for_dispatch_key
+#: ``torch._C._dispatch_keyset_full_after(key)``: the keys a kernel at ``key`` redispatches to.
+keyset_after: Callable[[Any], Any] = torch._C._dispatch_keyset_full_after
+#: ``torch._C._ExcludeDispatchKeyGuard(keyset)``: a context that leaves those keys out of dispatch.
+ExcludeDispatchKeyGuard: Any = torch._C._ExcludeDispatchKeyGuard
+
+
+def has_kernel(qualified: str, key: str) -> bool:
+    """``torch._C._dispatch_has_kernel_for_dispatch_key``: whether the op ``aten::x.overload`` has a kernel at
+    ``key``."""
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(qualified, key))
+
+
+def call_at_key(op: Any, key: str, args: Any, kwargs: Any) -> Any:
+    """Run an overload's kernel at ``key`` itself (``OpOverload._op_dk``), without torch-function modes."""
+    with torch._C.DisableTorchFunction():
+        return op._op_dk(getattr(torch._C.DispatchKey, key), *args, **kwargs)
+
+
+def resolve_overload(name: str, args: Any, kwargs: Any) -> str:
+    """The overload name the dispatcher picks for ``name(*args, **kwargs)`` (``torch._C._jit_resolve_packet``)."""
+    return str(torch._C._jit_resolve_packet(name, *args, **kwargs))
+
+
+def dispatch_key(name: str) -> Any:
+    """``torch._C.DispatchKey.<name>`` (``AutocastCPU``), or None where this build has no such key."""
+    return getattr(torch._C.DispatchKey, name, None)
+
+
+def backend_key(device_type: str) -> str | None:
+    """``torch._C._dispatch_key_for_device``: the dispatch key name of a device type (``CPU``), or None."""
+    try:
+        return str(torch._C._dispatch_key_for_device(device_type))
+    except RuntimeError:
+        return None
+
+
+def register_kernel(library: Any, name: str, kernel: Callable[..., Any], key: str) -> None:
+    """``Library.impl(name, kernel, key, with_keyset=True)``: the kernel gets the dispatch keyset first, so it
+    can redispatch below its key (torch/library.py; ``with_keyset`` on every supported release)."""
+    library.impl(name, kernel, key, with_keyset=True)
+
+
+def destroy_library(library: Any) -> None:
+    """Remove every kernel a ``torch.library.Library`` registered (``Library._destroy``)."""
+    library._destroy()
+
+
+# ---------------------------------------------------------------- autograd and checkpoint
+#
+# torch/utils/checkpoint.py's private structures, the same on every supported release.
+
+#: ``torch._C._autograd._top_saved_tensors_default_hooks(ignore_is_tracing)``: the innermost saved-tensor hooks
+#: (pack, unpack), or None.
+top_saved_tensors_hooks: Callable[[bool], Any] = torch._C._autograd._top_saved_tensors_default_hooks
+#: ``torch._C._current_graph_task_id()``: -1 outside backward.
+graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+
+
+@functools.cache
+def checkpoint_function_code(name: str) -> types.CodeType:
+    """``CheckpointFunction.forward`` / ``.backward``'s code (the reentrant checkpoint)."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    return getattr(CheckpointFunction, name).__code__  # type: ignore[no-any-return]
+
+
+def checkpoint_frame_of(hook: Any) -> Any:
+    """The ``_CheckpointFrame`` a non-reentrant checkpoint's saved-tensor hook closes over, or None.
+
+    The pack hook closes over ``frame``; the recomputation hook over ``target_frame_ref`` (a weakref), and is
+    wrapped in ``torch._dynamo.disable`` (``__wrapped__``).
+    """
+    while hasattr(hook, "__wrapped__"):
+        hook = hook.__wrapped__
+    code = getattr(hook, "__code__", None)
+    if code is None or not hook.__closure__:
+        return None
+    for name, cell in zip(code.co_freevars, hook.__closure__, strict=False):
+        if name == "frame":
+            found = cell.cell_contents
+        elif name == "target_frame_ref":
+            found = cell.cell_contents()
+        else:
+            continue
+        return found if type(found).__name__ == "_CheckpointFrame" else None
+    return None
