@@ -154,7 +154,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "files": _outcomes,
         "facts": _facts(),
     }
-    pathlib.Path(target).write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    pathlib.Path(target).write_text(json.dumps(result, indent=1) + "\n")  # features in FEATURES order
 
 
 @pytest.fixture(autouse=True)
