@@ -7,6 +7,10 @@ releases it was checked on (the ``nox -s tests-X`` matrix, see ``docs/compatibil
 where a release cannot do what mixprec needs, the function refuses with an error that names the
 release and the alternative, never a silent wrong result.
 
+"Every supported release" below means checked on each release of ``TESTED`` (2.10.0, 2.11.0,
+2.12.1, 2.13.0, 2.14.1, 2.15.0) by the tests that use it, which ``nox`` runs on each; where
+releases differ, the text says which do what.
+
 Nothing here runs at import time except the release check ``require_supported``, which
 ``import mixprec`` calls.
 """
