@@ -4,9 +4,11 @@
     nox -s tests-2.11 -- --version-sensitive     only the tests that touch torch internals which move
                                                  between releases
     nox -s compatibility                         docs/compatibility.md from the sessions' results
+    nox -s docs                                  the documentation site, built in strict mode
     nox                                          what CI runs: the whole suite on the oldest and the
                                                  newest release, the version-sensitive tests on every
-                                                 release in between, then the compatibility table
+                                                 release in between, the documentation site, then the
+                                                 compatibility table
 
 The supported releases are ``TESTED`` in ``src/mixprec/_compat.py``; this file reads that table
 without importing mixprec, so nox itself never needs torch.
@@ -85,7 +87,7 @@ def ci(session: nox.Session) -> None:
     log_path = ROOT / ".nox" / "background-installs.log"
     with log_path.open("w") as log:
         background = subprocess.Popen(
-            [*nox_cmd, "--install-only", "-s", *(f"tests-{r}" for r in later)],
+            [*nox_cmd, "--install-only", "-s", *(f"tests-{r}" for r in later), "docs"],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
         runs = [(NEWEST, [], [])]
@@ -104,11 +106,25 @@ def ci(session: nox.Session) -> None:
             )
             took[release] = time.monotonic() - start
             if done.returncode != 0:
-                failed.append(release)
+                failed.append(f"torch {release}")
+    if subprocess.run([*nox_cmd, "--reuse-existing-virtualenvs", "--no-install", "-s", "docs"], cwd=ROOT).returncode:
+        failed.append("the documentation build")
     session.run("python3", str(TABLE), str(RESULTS), str(DOCUMENT), success_codes=[0, 1])
     session.log("minutes per release: " + ", ".join(f"{r} {t / 60:.1f}" for r, t in took.items()))
     if failed:
-        session.error(f"tests failed on torch {', '.join(failed)}")
+        session.error(f"failed: {', '.join(failed)}")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """The documentation site (mkdocs.yml) in strict mode: a broken link, anchor or API reference fails.
+    mkdocstrings reads the docstrings from src/ without importing mixprec, so this venv needs no torch."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    session.install(*extras["docs"])  # pyproject's docs extra, without mixprec itself (and so without torch)
+    site = str(ROOT / ".nox" / "site")
+    session.run("mkdocs", "build", "--strict", "--site-dir", site, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(venv_backend="none")

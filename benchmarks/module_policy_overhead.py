@@ -21,7 +21,7 @@ Algorithm::
 
 Usage::
 
-    python benchmarks/module_policy_overhead.py [--repeats 60] [--sample-ms 20] [--threads 1] [--blocks 4]
+    python benchmarks/module_policy_overhead.py [--repeats 60] [--sample-ms 20] [--threads 1] [--blocks 4] [--compute auto]
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class _NativeWrapper(nn.Module):
             return self.module(x)
 
 
-def contenders(blocks: int) -> dict[str, Callable[[torch.Tensor], None]]:
+def contenders(blocks: int, compute: str = "auto") -> dict[str, Callable[[torch.Tensor], None]]:
     """Each contender runs one forward+backward step on its own copy of the same model."""
     torch.manual_seed(0)
     base = nn.Sequential(*[_block() for _ in range(blocks)], nn.Linear(64, 8))
@@ -91,12 +91,12 @@ def contenders(blocks: int) -> dict[str, Callable[[torch.Tensor], None]]:
     native_fp32 = fresh()
     native_fp32[0] = _NativeFP32(native_fp32[0])
     return {
-        "region": step(region, lambda: mixprec.autocast("cpu")),
-        "edited": step(fresh(), lambda: mixprec.autocast("cpu", policy=edited)),
-        "module_policy": step(with_policies, lambda: mixprec.autocast("cpu")),
-        "fp32_block": step(fp32_block, lambda: mixprec.autocast("cpu")),
+        "region": step(region, lambda: mixprec.autocast("cpu", compute=compute)),
+        "edited": step(fresh(), lambda: mixprec.autocast("cpu", policy=edited, compute=compute)),
+        "module_policy": step(with_policies, lambda: mixprec.autocast("cpu", compute=compute)),
+        "fp32_block": step(fp32_block, lambda: mixprec.autocast("cpu", compute=compute)),
         "native_fp32": step(native_fp32, lambda: torch.autocast("cpu")),
-        "AutocastModule": step(mixprec.AutocastModule(fresh(), "cpu"), contextlib.nullcontext),
+        "AutocastModule": step(mixprec.AutocastModule(fresh(), "cpu", compute=compute), contextlib.nullcontext),
         "native_wrapper": step(_NativeWrapper(fresh()), contextlib.nullcontext),
     }
 
@@ -127,12 +127,16 @@ def main() -> None:
     parser.add_argument("--sample-ms", type=float, default=20.0)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument(
+        "--compute", default="auto", choices=("auto", "native", "emulated"),
+        help="mixprec's compute; 'native' compares like with like on a CPU where 'auto' emulates",
+    )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    samples = measure(contenders(args.blocks), args.repeats, args.sample_ms)
+    samples = measure(contenders(args.blocks, args.compute), args.repeats, args.sample_ms)
     reference = statistics.median(samples["region"])
     print(f"torch {torch.__version__}, Python {platform.python_version()}, {args.threads} thread(s), "
-          f"{args.blocks} blocks, {args.repeats} interleaved repetitions")
+          f"{args.blocks} blocks, {args.repeats} interleaved repetitions, compute={args.compute!r}")
     print("| contender | median us/step | ratio to region |")
     print("|-----------|---------------:|----------------:|")
     for name, values in samples.items():

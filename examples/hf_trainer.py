@@ -7,6 +7,7 @@ the median step time against float32 and the final training loss. On a CPU witho
 bfloat16 units, ``compute="auto"`` emulates bfloat16 with float32 kernels, where
 torch's own bfloat16 kernels are slow fallbacks (``--native`` adds that run).
 
+    pip install -e ".[examples]"   # Transformers and Accelerate
     python examples/hf_trainer.py [--steps 30] [--native] [--policy-linear-fp32]
 """
 

@@ -5,6 +5,7 @@ in bfloat16 under ``mixprec.install()`` (Lightning's own ``precision="bf16-mixed
 regions, now following mixprec) and with ``MixprecPrecision`` as a plugin, and
 prints the median step time against float32 and the final loss.
 
+    pip install -e ".[examples]"   # Lightning
     python examples/lightning_bf16.py [--steps 60] [--native]
 """
 

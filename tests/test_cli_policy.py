@@ -49,3 +49,25 @@ def test_explain_matches_the_library(capsys, op, category):
     assert result.code == 0, result.err
     expected = mixprec.explain(op, "cpu", mixprec.policies.CPU, dtype=__import__("torch").float16)
     assert category in result.out and " ".join(str(expected).split()) in " ".join(result.out.split())
+
+
+def test_policy_file_with_custom_ops_needs_their_module(capsys, tmp_path):
+    """A policy file naming a custom op is read once `--import` ran the code that registers the op."""
+    ops = tmp_path / "cli_rotary_ops.py"
+    ops.write_text(
+        "import torch\n\n"
+        "@torch.library.custom_op('mixprec_cli_test::rotary', mutates_args=())\n"
+        "def rotary(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x.clone()\n"
+    )
+    policy = tmp_path / "custom.toml"
+    policy.write_text('name = "custom"\nbase = "CPU"\n\n[ops]\nfp32 = ["mixprec_cli_test::rotary"]\n')
+    refused = run(capsys, "policy", "diff", "CPU", str(policy))
+    assert refused.code == 2
+    assert "No 'mixprec_cli_test::' op is registered in this process" in refused.err
+    assert "--import MODULE" in refused.err and "Did you mean" not in refused.err
+    result = run(capsys, "policy", "diff", "CPU", str(policy), "--import", str(ops))
+    assert result.code == 0, result.err
+    assert "1 ops differ" in result.out and "mixprec_cli_test::rotary" in result.out
+    missing = run(capsys, "policy", "show", str(policy), "--import", "no_such_module_here")
+    assert missing.code == 2 and "--import 'no_such_module_here'" in missing.err

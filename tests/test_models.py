@@ -320,7 +320,7 @@ def test_same_gradients(case: str, dtype: str) -> None:
 # Inference: eval mode under no_grad, where torch would take the fused fast paths of nn.TransformerEncoderLayer and
 # nn.MultiheadAttention. Those modules skip the fast path whenever ``has_torch_function`` is true, which it is while
 # any TorchFunctionMode is active, so under mixprec they run their standard path (a documented divergence, see
-# docs/policies.md). The standard path is then held to native autocast on the same path, forced with
+# docs/policy_tables.md). The standard path is then held to native autocast on the same path, forced with
 # ``torch.backends.mha.set_fastpath_enabled(False)``: the same dtype and the same bits. Against native's fused kernel
 # the values agree to the autocast dtype's resolution. Forward only and unlogged, because a dispatch mode changes
 # native autocast's result on the fused path (its inner _native_multi_head_attention call is neither logged nor cast).

@@ -328,6 +328,17 @@ def test_autocast_module_takes_a_policy_and_is_a_module():
     assert not mixprec.is_autocast_enabled("cpu")
 
 
+@pytest.mark.parametrize("compute", ["native", "emulated"])
+def test_autocast_module_takes_compute(compute):
+    model = _model()
+    wrapped = mixprec.AutocastModule(model, "cpu", compute=compute)
+    x = torch.randn(4, 8)
+    with mixprec.autocast("cpu", compute=compute):
+        expected = model(x)
+    assert torch.equal(wrapped(x), expected)
+    assert f"compute='{compute}'" in repr(wrapped)
+
+
 def test_autocast_module_with_an_fp32_child():
     model = _model()
     wrapped = mixprec.AutocastModule(model, "cpu")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import mixprec
@@ -45,3 +46,16 @@ def test_public_surface():
         "autocast", "is_autocast_enabled", "get_autocast_dtype", "get_policy",
         "custom_fwd", "custom_bwd", "policies", "Policy",
     }
+
+
+def test_subpackages_load_on_first_use():
+    """`mixprec.graph.apply_policy` works after a plain `import mixprec`, which does not import graph itself."""
+    code = (
+        "import sys, mixprec;"
+        "assert 'mixprec.graph' not in sys.modules and 'mixprec.diagnostics' not in sys.modules;"
+        "assert callable(mixprec.graph.apply_policy) and 'mixprec.graph' in sys.modules;"
+        "assert mixprec.integrations.__name__ == 'mixprec.integrations' and 'graph' in dir(mixprec)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    with pytest.raises(AttributeError, match="no attribute 'grpah'"):
+        mixprec.grpah  # noqa: B018

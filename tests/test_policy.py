@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import mixprec
 from mixprec.policies import _report
 
-DOC = pathlib.Path(__file__).parent.parent / "docs" / "policies.md"
+DOC = pathlib.Path(__file__).parent.parent / "docs" / "policy_tables.md"
 
 
 @pytest.mark.parametrize(
@@ -71,7 +71,7 @@ def test_repr_is_short():
 
 
 def test_policy_document_is_current():
-    assert DOC.read_text() == _report.render(), "regenerate: python -m mixprec.policies._report > docs/policies.md"
+    assert DOC.read_text() == _report.render(), "regenerate: python -m mixprec.policies._report > docs/policy_tables.md"
 
 
 def test_documented_cpu_list_differs_from_native_on_conv_transpose():

@@ -1,6 +1,6 @@
 """mixprec: automatic mixed precision for PyTorch, with its op policy as data.
 
-Example:
+Examples:
     >>> import torch, mixprec
     >>> with mixprec.autocast("cpu"):
     ...     torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype
@@ -52,3 +52,19 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# Subpackages with heavier imports load on first use, so `import mixprec` stays light and
+# `mixprec.graph.apply_policy` still works after a plain `import mixprec`.
+_LAZY = ("diagnostics", "graph", "integrations")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"mixprec.{name}")
+    raise AttributeError(f"module 'mixprec' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

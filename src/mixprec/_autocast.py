@@ -115,7 +115,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             ``"auto"`` (default): native where ``mixprec.kernel_support``
             finds native kernels for ``dtype``, emulated elsewhere.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(4, 4)
         >>> with mixprec.autocast("cpu"):
         ...     y = model(torch.randn(2, 4))

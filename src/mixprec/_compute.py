@@ -84,7 +84,7 @@ _TORCH_PROBES = {
 class KernelSupport:
     """Whether a device has native matrix kernels for a low-precision dtype.
 
-    Example:
+    Examples:
         >>> support = mixprec.kernel_support("cpu", torch.bfloat16)
         >>> isinstance(support.native, bool)
         True
@@ -179,7 +179,7 @@ def kernel_support(device_type: str, dtype: torch.dtype) -> KernelSupport:
         A ``KernelSupport`` whose ``native`` answers the question and whose
         ``evidence`` names the CPU flags or probes the answer rests on.
 
-    Example:
+    Examples:
         >>> print(mixprec.kernel_support("cpu", torch.float16))  # doctest: +SKIP
         cpu float16: emulated (no CPU flag among amx_fp16, asimdhp; capability AVX512)
     """

@@ -115,7 +115,7 @@ def explain(
             explain what to pass, or to ask about exactly that call.
         example_kwargs: Keyword arguments of that call.
 
-    Example:
+    Examples:
         >>> why = mixprec.explain(torch.softmax, "cpu", mixprec.policies.CUDA)
         >>> why.category, why.runs_in, why.source.startswith("default table CUDA (torch 2.")
         ('fp32_set_opt_dtype', torch.float32, True)

@@ -114,7 +114,7 @@ def install(policy: Policy | None = None, *, compute: str = "auto") -> InstallHa
     Returns:
         A handle whose ``remove()`` gives torch's native autocast back (also a context manager).
 
-    Example:
+    Examples:
         >>> handle = mixprec.install(mixprec.policies.CPU.with_ops(fp32=["linear"]))
         >>> with torch.autocast("cpu"):
         ...     torch.nn.functional.linear(torch.randn(2, 4), torch.randn(3, 4)).dtype

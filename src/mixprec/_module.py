@@ -224,7 +224,7 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
     Returns:
         A handle whose ``remove()`` takes the policy off again.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
         >>> handle = mixprec.set_module_policy(model[1], "fp32")
         >>> with mixprec.autocast("cpu"):
@@ -249,7 +249,7 @@ class AutocastModule(torch.nn.Module):
     wrapped module is the child ``module``, so state dict keys gain the prefix
     ``module.``.
 
-    Example:
+    Examples:
         >>> fast = mixprec.AutocastModule(torch.nn.Linear(4, 4), "cpu")
         >>> fast(torch.randn(2, 4)).dtype
         torch.bfloat16
@@ -264,11 +264,12 @@ class AutocastModule(torch.nn.Module):
         cache_enabled: bool | None = None,
         *,
         policy: Policy | None = None,
+        compute: str = "auto",
     ) -> None:
         super().__init__()
         _check_module("AutocastModule", module)
         self.module = module
-        self.region = _autocast.autocast(device_type, dtype, enabled, cache_enabled, policy=policy)
+        self.region = _autocast.autocast(device_type, dtype, enabled, cache_enabled, policy=policy, compute=compute)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self.region._fresh():

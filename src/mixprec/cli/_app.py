@@ -28,6 +28,14 @@ app.add_typer(policy_app, name="policy")
 
 Out = Annotated[Path, typer.Option("--out", help="Directory for the written files.")]
 Device = Annotated[str, typer.Option("--device", help="Device type to run on.")]
+Imports = Annotated[
+    Optional[list[str]],  # noqa: UP045
+    typer.Option(
+        "--import",
+        metavar="MODULE",
+        help="Import a module first, e.g. the one that registers a policy file's custom ops (repeatable).",
+    ),
+]
 
 
 @app.command()
@@ -59,10 +67,14 @@ def doctor(
 
 
 @policy_app.command("show")
-def policy_show(device: Annotated[str, typer.Argument(help="A device type (cpu, cuda, ...) or policy name.")]) -> None:
+def policy_show(
+    device: Annotated[str, typer.Argument(help="A device type (cpu, cuda, ...), policy name or TOML file.")],
+    imports: Imports = None,
+) -> None:
     """List the device's default policy, category by category."""
-    from mixprec.cli._policy_cmd import show
+    from mixprec.cli._policy_cmd import import_modules, show
 
+    import_modules(imports or [])
     show(device)
 
 
@@ -70,10 +82,12 @@ def policy_show(device: Annotated[str, typer.Argument(help="A device type (cpu, 
 def policy_diff(
     a: Annotated[str, typer.Argument(help="A policy name (CPU, CUDA, ...) or TOML file.")],
     b: Annotated[str, typer.Argument(help="A policy name (CPU, CUDA, ...) or TOML file.")],
+    imports: Imports = None,
 ) -> None:
     """The ops whose category differs between two policies."""
-    from mixprec.cli._policy_cmd import diff
+    from mixprec.cli._policy_cmd import diff, import_modules
 
+    import_modules(imports or [])
     diff(a, b)
 
 

@@ -9,6 +9,23 @@ from mixprec import _devices
 from mixprec.cli._common import CliError, device_type, low_dtype
 
 
+def import_modules(modules: list[str]) -> None:
+    """Import each module (``package.module`` or ``path/to/file.py``), for the custom ops it registers."""
+    import importlib
+    import runpy
+
+    for module in modules:
+        try:
+            if module.endswith(".py"):
+                if not Path(module).is_file():
+                    raise CliError(f"--import {module!r}: no such file")
+                runpy.run_path(module)
+            else:
+                importlib.import_module(module)
+        except ImportError as error:
+            raise CliError(f"--import {module!r}: {error}") from None
+
+
 def resolve(name: str) -> Any:
     """A policy by built-in name (``CPU``, ``cuda_documented``), device type (``cpu``) or TOML file."""
     import mixprec

@@ -128,7 +128,7 @@ def diagnose(target: Target, device: str, dtype: torch.dtype, policy: mixprec.Po
         dtype: The low-precision dtype.
         policy: The policy to run under (default: the device's).
 
-    Example:
+    Examples:
         >>> d = diagnose((model, (x,), None), "cpu", torch.float16)
         >>> d.first.module if d.first else None
     """

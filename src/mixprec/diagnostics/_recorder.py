@@ -162,7 +162,7 @@ class Recorder(_Tap):
         model: The module whose ``named_modules`` give the module paths.
         keep_outputs: Keep a float32 copy of each op's first floating output.
 
-    Example:
+    Examples:
         >>> with Recorder(model) as rec, mixprec.autocast("cpu", dtype=torch.float16):
         ...     model(x)
         >>> rec.records[0].op
@@ -268,7 +268,7 @@ class Recorder(_Tap):
 class CastCounter(_Tap):
     """Counts the casts autocast makes while active (``aten::_to_copy`` calls not made by the user's own casts).
 
-    Example:
+    Examples:
         >>> with CastCounter() as counter, mixprec.autocast("cpu"):
         ...     torch.nn.Linear(4, 4)(torch.randn(2, 4))
         >>> counter.casts

@@ -60,7 +60,7 @@ def apply_policy(
     Returns:
         A new GraphModule sharing gm's parameters; gm is not mutated.
 
-    Example:
+    Examples:
         >>> ep = torch.export.export(model, (x,))
         >>> low = mixprec.graph.apply_policy(ep.module(), mixprec.policies.CPU, torch.bfloat16)
         >>> low(x)  # as model(x) under mixprec.autocast("cpu")

@@ -9,7 +9,7 @@ checkpoints) is Lightning's ``MixedPrecision`` plugin, which this one extends.
 Without the plugin, ``mixprec.install()`` gives the same regions mixprec's
 behaviour. ``lightning`` is imported here only.
 
-Example:
+Examples:
     >>> import lightning as L
     >>> from mixprec.integrations.lightning import MixprecPrecision
     >>> plugin = MixprecPrecision(policy=mixprec.policies.CPU.with_ops(fp32=["linear"]))

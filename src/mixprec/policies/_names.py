@@ -74,8 +74,18 @@ def _known_names() -> tuple[str, ...]:
 
 
 def _unknown(op: object, name: str | None, listed: Iterable[str]) -> ValueError:
-    close = difflib.get_close_matches(name, [*_known_names(), *listed], n=5) if name else []
+    namespace = name.split("::")[0] if name and "::" in name and not name.startswith("aten::") else None
+    if namespace is not None:  # a custom op: suggest only that namespace's ops, registered or listed
+        qualified = [n.split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith(namespace + "::")]
+        close = difflib.get_close_matches(name, [*qualified, *listed], n=5) if name else []
+    else:
+        close = difflib.get_close_matches(name, [*_known_names(), *listed], n=5) if name else []
     hint = f"Did you mean one of: {', '.join(close)}?" if close else None
+    if namespace is not None and not close:
+        hint = (
+            f"No '{namespace}::' op is registered in this process: import the module that defines it before "
+            "naming it (on the command line: --import MODULE)"
+        )
     what = "not a torch op or op name" if name is None else "it names no op torch has and the policy does not list it"
     return ValueError(
         _errors.message(
@@ -91,7 +101,7 @@ def _unknown(op: object, name: str | None, listed: Iterable[str]) -> ValueError:
 def op_name(op: object, listed: Mapping[str, object] | None = None) -> str:
     """The table name of ``op``; ValueError if it names nothing (and ``listed`` does not hold it).
 
-    Example:
+    Examples:
         >>> op_name(torch.linalg.inv)
         'linalg_inv'
         >>> op_name(torch.ops.aten.softmax.int)

@@ -69,7 +69,7 @@ class Policy:
     category. An overload's entry (``"aten::mm.default"``) wins over its op's
     (``"mm"``).
 
-    Example:
+    Examples:
         >>> import mixprec
         >>> mixprec.policies.CUDA.category("softmax")
         'fp32_set_opt_dtype'

@@ -1,6 +1,6 @@
-"""docs/policies.md, rendered from the policy tables.
+"""docs/policy_tables.md, rendered from the policy tables.
 
-Regenerate with ``python -m mixprec.policies._report > docs/policies.md``; a test
+Regenerate with ``python -m mixprec.policies._report > docs/policy_tables.md``; a test
 checks that the committed file matches.
 """
 
@@ -105,9 +105,9 @@ def _releases() -> list[str]:
 
 
 def render() -> str:
-    """The whole of docs/policies.md."""
+    """The whole of docs/policy_tables.md."""
     lines = [
-        "# Autocast policies",
+        "# The policy tables",
         "",
         "Generated from `src/mixprec/policies/` by `python -m mixprec.policies._report`; do not edit.",
         "",
@@ -118,7 +118,7 @@ def render() -> str:
         "",
         "Each is a starting point: `Policy.with_ops` / `without_ops` derive a changed policy,",
         "`Policy.from_file` reads one from TOML, and `mixprec.explain(op)` says which table an op's",
-        "category comes from (see the README's tour).",
+        "category comes from (see [Policies](policies.md)).",
         "",
         "## Where the defaults and the documented lists differ",
         "",

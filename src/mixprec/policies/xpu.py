@@ -1,7 +1,7 @@
 """XPU policy: the lists of the XPU AMP guide (seed 002).
 
 The guide names ``conv_transpose1d`` twice and never ``conv_transpose2d``; the
-second mention is read as ``conv_transpose2d`` (see docs/policies.md).
+second mention is read as ``conv_transpose2d`` (see docs/policy_tables.md).
 """
 
 LOWER_PRECISION_FP = (

@@ -61,7 +61,7 @@ class GradScaler(ScalerSettings):
         process_group: Group over which ranks agree on found_inf (default: the
             default group when torch.distributed is initialized; False: never).
 
-    Example:
+    Examples:
         >>> scaler = mixprec.GradScaler("cpu")
         >>> with mixprec.autocast("cpu", dtype=torch.float16):
         ...     loss = model(x).float().sum()
