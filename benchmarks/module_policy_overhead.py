@@ -21,7 +21,8 @@ Algorithm::
 
 Usage::
 
-    python benchmarks/module_policy_overhead.py [--repeats 60] [--sample-ms 20] [--threads 1] [--blocks 4] [--compute auto]
+    python benchmarks/module_policy_overhead.py [--repeats 60] [--sample-ms 20] [--threads 1] [--blocks 4]
+                                                [--compute auto]
 """
 
 from __future__ import annotations

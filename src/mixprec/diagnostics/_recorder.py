@@ -163,8 +163,9 @@ class Recorder(_Tap):
         keep_outputs: Keep a float32 copy of each op's first floating output.
 
     Examples:
+        >>> model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
         >>> with Recorder(model) as rec, mixprec.autocast("cpu", dtype=torch.float16):
-        ...     model(x)
+        ...     _ = model(x)
         >>> rec.records[0].op
         'torch.nn.functional.linear'
     """
@@ -270,7 +271,7 @@ class CastCounter(_Tap):
 
     Examples:
         >>> with CastCounter() as counter, mixprec.autocast("cpu"):
-        ...     torch.nn.Linear(4, 4)(torch.randn(2, 4))
+        ...     _ = torch.nn.Linear(4, 4)(torch.randn(2, 4))
         >>> counter.casts
         3
     """

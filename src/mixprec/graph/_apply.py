@@ -61,9 +61,11 @@ def apply_policy(
         A new GraphModule sharing gm's parameters; gm is not mutated.
 
     Examples:
+        >>> model, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
         >>> ep = torch.export.export(model, (x,))
         >>> low = mixprec.graph.apply_policy(ep.module(), mixprec.policies.CPU, torch.bfloat16)
-        >>> low(x)  # as model(x) under mixprec.autocast("cpu")
+        >>> low(x).dtype  # as model(x) under mixprec.autocast("cpu")
+        torch.bfloat16
     """
     _check(gm, policy, dtype, device_type)
     fake_mode = _fake_mode(gm)

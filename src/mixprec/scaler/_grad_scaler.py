@@ -62,14 +62,19 @@ class GradScaler(ScalerSettings):
             default group when torch.distributed is initialized; False: never).
 
     Examples:
+        >>> model = torch.nn.Linear(4, 4)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> scaler = mixprec.GradScaler("cpu")
+        >>> optimizer.zero_grad()
         >>> with mixprec.autocast("cpu", dtype=torch.float16):
-        ...     loss = model(x).float().sum()
+        ...     loss = model(torch.randn(2, 4)).float().sum()
         >>> scaler.scale(loss).backward()
-        >>> scaler.step(optimizer)
+        >>> _ = scaler.step(optimizer)
         >>> scaler.update()
-        >>> scaler.last_step_skipped
-        False
+        >>> scaler.last_step_skipped  # 2**16 times a gradient of 1 overflows float16 (max 65504)
+        True
+        >>> scaler.get_scale()  # so the step was skipped and the scale halved
+        32768.0
     """
 
     def __init__(
