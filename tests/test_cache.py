@@ -1,5 +1,5 @@
 """The cast cache: reuse within a region, cleared at the outermost exit, never
-used under no_grad, invalidated by in-place updates, never keeping weights alive.
+used under no_grad, invalidated by in-place updates, never keeping weights alive past their region.
 
 Regions run with ``compute="native"``: the casts counted are those native autocast makes.
 The cache is that of mixprec's kernels: under the default policy torch's own
@@ -135,15 +135,29 @@ def test_cache_keeps_no_weight_alive_after_region():
     assert ref() is None
 
 
-def test_cache_does_not_hold_weights_strongly_in_region():
-    with mixprec.autocast("cpu", compute="native"):
-        layer = torch.nn.Linear(4, 4)
-        with torch.no_grad():
-            pass
-        out = torch.mm(X, layer.weight)
-        entries = list(_cast.thread_cache().values())
-        assert entries and all(isinstance(e[0], weakref.ref) for e in entries)
-        del out, entries
+def test_a_weight_dropped_in_its_region_lives_until_the_exit_as_natively():
+    """The cache's key refers to a weight weakly; its cached copy's autograd graph holds the weight, as torch's
+    cache does. So a weight dropped inside a region lives until the region exits, then is freed: natively and
+    with mixprec alike."""
+
+    def drop_inside(region):
+        with region:
+            layer = torch.nn.Linear(4, 4)
+            out = torch.mm(X, layer.weight)
+            entries = list(_cast.thread_cache().values())
+            keyed_weakly = [entry[0]() is layer.weight for entry in entries]
+            weight = weakref.ref(layer.weight)
+            del layer, out, entries
+            gc.collect()
+            alive_inside = weight() is not None
+        gc.collect()
+        return keyed_weakly, alive_inside, weight() is not None
+
+    keyed_weakly, *mixprec_lifetime = drop_inside(mixprec.autocast("cpu", compute="native"))
+    assert keyed_weakly == [True]  # one entry, whose key is a weak reference to the weight
+    _kernels.reset()  # torch's own kernels and cache
+    _, *native_lifetime = drop_inside(torch.autocast("cpu", dtype=torch.bfloat16))
+    assert mixprec_lifetime == native_lifetime == [True, False]
 
 
 def test_fp16_then_bf16_in_nested_regions_do_not_share_entries():

@@ -35,3 +35,17 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
     assert result.err.startswith("mixprec: error: ") and result.err.count("\n") == 1, result.err
     assert needle in result.err
     assert "Traceback" not in result.err + result.out
+
+
+def test_the_command_without_its_extra_says_what_to_install(capsys, monkeypatch):
+    """`pip install mixprec` alone has no typer: the console script names the extra instead of a traceback."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "typer" else real(name, *a))
+    result = run(capsys, "policy", "show", "cpu")
+    assert result.code == 2
+    assert result.err.strip() == (
+        "mixprec: error: the mixprec command needs the cli extra (typer not installed); "
+        "install it with: pip install 'mixprec[cli]'"
+    )

@@ -1,4 +1,5 @@
-"""mixprec.autocast under torch.compile: no graph break, eager dtypes, guarded state, seed 004's limitations lifted.
+"""mixprec.autocast under torch.compile: no graph break, eager dtypes, guarded state, and the limitations
+that PyTorch's notes on autocast in TorchScript list, lifted.
 
 Dynamo is where mixprec's rules run under torch.compile, so most cases compile with a
 counting eager backend (fast); the inductor cases check the values end to end.

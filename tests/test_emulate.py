@@ -426,9 +426,25 @@ def test_weight_cast_once_per_region_when_emulated() -> None:
 def test_backward_inside_the_region_runs_float32_kernels() -> None:
     layer = torch.nn.Linear(4, 4)
     x = torch.randn(3, 4)
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+    class Matmuls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dtypes: list[tuple[torch.dtype, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func in matmuls:
+                self.dtypes.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+            return func(*args, **(kwargs or {}))
+
     with mixprec.autocast("cpu", compute="emulated"):
-        layer(x).float().sum().backward()
+        loss = layer(x).float().sum()
+        with Matmuls() as backward:
+            loss.backward()
         inside = layer.weight.grad.clone()
+    assert backward.dtypes, "backward ran no matrix kernel"
+    assert all(set(dtypes) == {torch.float32} for dtypes in backward.dtypes), backward.dtypes
     layer.zero_grad()
     with mixprec.autocast("cpu", compute="emulated"):
         out = layer(x)

@@ -26,7 +26,7 @@ MM_FP32 = mixprec.policies.CPU.with_ops(fp32=["linear"], promote=["gelu"])
 def region_path(request):
     _kernels.reset()
     _autocast._made.clear()
-    _kernels.ensure(_state.setting("cpu", mixprec.policies.CPU, False, frozenset()))  # torch's tables checked
+    _kernels.ensure(_state.make_setting("cpu", mixprec.policies.CPU, False, frozenset()))  # torch's tables checked
     if request.param == "framed":
         _state.holders.add(_state.KERNELS)
     yield request.param

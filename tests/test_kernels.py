@@ -30,7 +30,7 @@ def test_the_default_policy_with_native_compute_registers_nothing():
 @pytest.mark.parametrize("device", ["cpu", "cuda", "xpu"])
 def test_each_devices_default_policy_needs_no_kernel(device):
     # What lets a region of the default policy with native compute skip mixprec's state (autocast.__enter__).
-    setting = _state.setting(device, _tables.default_policy(device), False, frozenset())
+    setting = _state.make_setting(device, _tables.default_policy(device), False, frozenset())
     assert _kernels.needed(setting) == frozenset()
     assert not _tables.effective(_tables.default_policy(device), device)[1]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -36,7 +37,8 @@ def test_import_does_no_work():
         "import sys, mixprec, mixprec.policies as p;"
         "import mixprec.policies._policy as pol;"
         "assert p._build.cache_info().currsize == 0, 'a policy was built at import';"
-        "assert 'transformers' not in sys.modules and 'numpy.testing' not in sys.modules"
+        "assert 'transformers' not in sys.modules and 'numpy.testing' not in sys.modules;"
+        "assert not {'typer', 'rich', 'matplotlib', 'sklearn'} & set(sys.modules), 'the cli extra was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -59,3 +61,13 @@ def test_subpackages_load_on_first_use():
     subprocess.run([sys.executable, "-c", code], check=True)
     with pytest.raises(AttributeError, match="no attribute 'grpah'"):
         mixprec.grpah  # noqa: B018
+
+
+def test_import_mixprec_needs_torch_alone():
+    """The core dependencies are torch (and tomli on Python 3.10); the CLI's libraries are the cli extra."""
+    import tomllib
+
+    project = tomllib.loads((pathlib.Path(__file__).parent.parent / "pyproject.toml").read_text())["project"]
+    assert [d.split(">")[0].split(";")[0].strip() for d in project["dependencies"]] == ["torch", "tomli"]
+    cli = {d.split(">")[0] for d in project["optional-dependencies"]["cli"]}
+    assert cli == {"typer", "rich", "matplotlib", "scikit-learn"}

@@ -320,7 +320,7 @@ def test_one_region_shared_by_threads_at_once():
 @pytest.mark.usefixtures("no_kernels")
 def test_a_module_policy_keeps_regions_opened_inside_it_framed():
     # No region around the module: its hook opens no level, but a region opened in its forward takes its policy.
-    _kernels.ensure(_state.setting("cpu", mixprec.policies.CPU, False, frozenset()))  # tables checked already
+    _kernels.ensure(_state.make_setting("cpu", mixprec.policies.CPU, False, frozenset()))  # tables checked already
 
     class Opens(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.dtype:

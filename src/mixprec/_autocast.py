@@ -184,7 +184,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         if self._enabled:  # no warning was given
             default = _tables.default_policy(device_type)
             chosen = self._policy if self._policy is not None else default
-            self._setting = _state.setting(device_type, chosen, self._emulate, self._emulate_ops)
+            self._setting = _state.make_setting(device_type, chosen, self._emulate, self._emulate_ops)
             # The default policy is torch's table for the device (``_tables.effective`` changes nothing).
             self._native_only = chosen is default and not self._emulate and not self._emulate_ops
             self._plain = self._native_only and self._setting.ready is _kernels.generation
@@ -303,11 +303,11 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         if self._policy is None:  # the innermost module policy (set_module_policy), else the installed one
             inner = state.module_policies[-1] if state.module_policies else _install.policy()
             if inner is not None:
-                return _state.setting(self.device, inner, self._emulate, self._emulate_ops)
+                return _state.make_setting(self.device, inner, self._emulate, self._emulate_ops)
         setting = self._setting
         if setting is None:  # made on first entry, then reused in eager code (see __enter__)
             policy = self._policy if self._policy is not None else _tables.default_policy(self.device)
-            setting = _state.setting(self.device, policy, self._emulate, self._emulate_ops)
+            setting = _state.make_setting(self.device, policy, self._emulate, self._emulate_ops)
             if not _dynamo_compiling():
                 self._setting = setting
         return setting

@@ -179,7 +179,7 @@ def plan(
     setting = _state.Setting(device_type, policy, emulate, _compute.emulated_ops(compute, device_type, fast))
     if _state.KERNELS in _state.holders:  # what the region is depends on the state around the frame
         _guard.guard_trace()
-    installed = None if _install.current is None else _install.current.setting(device_type, fast)
+    installed = None if _install.current is None else _install.current.setting_for(device_type, fast)
     around = (state.active.get(device_type), installed)
     if _native_equivalent(setting):
         if entered and all(_native_equivalent(s) for s in around) and _compat.returns_torch_autocast():

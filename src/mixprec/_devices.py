@@ -1,6 +1,6 @@
 """The devices autocast knows: default and supported dtypes, default policy.
 
-This table is the only place where devices differ; everything else reads it.
+Code that needs a device's dtypes or its default policy reads them here.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ Algorithm::
     install(policy, compute):  check the arguments as autocast does
                                register the kernels of (device, dtype) for every usable device and dtype
                                current = the installation     (replacing any earlier one)
-    kernel, no region setting: setting = current.setting(device, torch.get_autocast_dtype(device))
+    kernel, no region setting: setting = current.setting_for(device, torch.get_autocast_dtype(device))
     handle.remove():           current = None if it is still this installation
 """
 
@@ -39,12 +39,12 @@ class Installation:
     compute: str
     _settings: dict[tuple[str, torch.dtype], _state.Setting] = dataclasses.field(default_factory=dict, repr=False)
 
-    def setting(self, device_type: str, dtype: torch.dtype) -> _state.Setting:
+    def setting_for(self, device_type: str, dtype: torch.dtype) -> _state.Setting:
         """The setting for regions on ``device_type`` in ``dtype``."""
         found = self._settings.get((device_type, dtype))
         if found is None:
             policy = self.policy if self.policy is not None else _tables.default_policy(device_type)
-            found = _state.setting(
+            found = _state.make_setting(
                 device_type,
                 policy,
                 _compute.emulates(self.compute, device_type, dtype),
@@ -130,19 +130,19 @@ def install(policy: Policy | None = None, *, compute: str = "auto") -> InstallHa
         if _tables.autocast_key(device) is None or not spec.available():
             continue
         for dtype in spec.supported_dtypes:
-            _kernels.ensure(installation.setting(device, dtype))
+            _kernels.ensure(installation.setting_for(device, dtype))
     global current
     with _lock:
         current = installation
     return InstallHandle(installation)
 
 
-def setting(device_type: str) -> _state.Setting | None:
+def installed_setting(device_type: str) -> _state.Setting | None:
     """The installed setting for ``device_type`` at torch's current autocast dtype, or None."""
     installation = current
     if installation is None:
         return None
-    return installation.setting(device_type, torch.get_autocast_dtype(device_type))
+    return installation.setting_for(device_type, torch.get_autocast_dtype(device_type))
 
 
 def policy() -> Policy | None:

@@ -207,11 +207,11 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
             _guard.guard_trace()
         setting = state.active.get(device_type)
         if setting is None:
-            setting = _recompute.setting(device_type)  # in a checkpoint's recompute
+            setting = _recompute.recompute_setting(device_type)  # in a checkpoint's recompute
             if setting is _recompute.NATIVE:
                 return _call(native_entries(device_type), keyset, args, kwargs)
             if setting is None:
-                setting = _install.setting(device_type)
+                setting = _install.installed_setting(device_type)
                 if setting is None:
                     if in_checkpointed_forward():
                         _recompute.record_native(device_type)

@@ -85,7 +85,7 @@ def record_around(device_type: str, previous: _state.Setting | None) -> None:
     too: a module around the checkpoint call runs no hook in the recompute."""
     if not in_forward():
         return
-    around = previous or _install.setting(device_type)
+    around = previous or _install.installed_setting(device_type)
     _leave(device_type, NATIVE if around is None else around)
 
 
@@ -110,13 +110,13 @@ def _leave(device_type: str, value: Any) -> None:
 def around(device_type: str) -> _state.Setting | None:
     """The setting ops on ``device_type`` run under here: the thread's, else a recompute's, else the installed one
     (None: torch's native behaviour, also where a recompute's forward left ``NATIVE``)."""
-    found = _state.get().active.get(device_type) or setting(device_type)
+    found = _state.get().active.get(device_type) or recompute_setting(device_type)
     if found is NATIVE:
         return None
-    return found or _install.setting(device_type)
+    return found or _install.installed_setting(device_type)
 
 
-def setting(device_type: str) -> Any:
+def recompute_setting(device_type: str) -> Any:
     """In a recompute: the setting its forward left for ``device_type``, ``NATIVE``, or None (none was left)."""
     if _compat.tracing() or _task_id() < 0:
         return None

@@ -56,7 +56,7 @@ def module_setting(device_type: str, policy: Policy, around: Setting | None) -> 
 _settings: dict[tuple[str, int, bool, frozenset[str]], Setting] = {}
 
 
-def setting(device_type: str, policy: Policy, emulate: bool, emulate_ops: frozenset[str]) -> Setting:
+def make_setting(device_type: str, policy: Policy, emulate: bool, emulate_ops: frozenset[str]) -> Setting:
     """The one ``Setting`` for these values (memoized: regions are entered once per step)."""
     key = (device_type, id(policy), emulate, emulate_ops)
     found = _settings.get(key)

@@ -38,7 +38,7 @@ def custom_bwd(bwd: Callable[..., Any]) -> Any:
 
 
 class GradScaler(_GradScaler):
-    """``torch.cuda.amp.GradScaler``: the seed's signature, no device argument."""
+    """``torch.cuda.amp.GradScaler``: the signature of the torch.cuda.amp reference, no device argument."""
 
     def __init__(
         self,

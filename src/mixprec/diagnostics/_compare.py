@@ -119,7 +119,7 @@ def run_once(target: Target, region: contextlib.AbstractContextManager[Any], rec
     return Run(records, bad, grads)
 
 
-def _errors(got: torch.Tensor, ref: torch.Tensor | None) -> tuple[float | None, float | None]:
+def _error_of(got: torch.Tensor, ref: torch.Tensor | None) -> tuple[float | None, float | None]:
     if ref is None or ref.shape != got.shape:
         return None, None
     both = torch.isfinite(got) & torch.isfinite(ref)
@@ -158,7 +158,7 @@ def compare(reference: Run, amp: Run, low: torch.dtype) -> list[OpReport]:
     for rec in amp.records:
         ref = by_key.get(rec.key)
         got = rec.output if rec.output is not None else torch.empty(0)
-        abs_err, rel_err = _errors(got, ref)
+        abs_err, rel_err = _error_of(got, ref)
         over, under = _lost(ref, low) if rec.output_dtypes[:1] == [low_name] else (None, None)
         rows.append(
             OpReport(
@@ -175,7 +175,7 @@ def _grad_rows(reference: Run, amp: Run, start: int, forward_clean: bool) -> Ite
     """A gradient row 'produced' inf/NaN only if the forward had none (else it inherited them)."""
     for i, (name, grad) in enumerate(amp.grads.items()):
         module = name.rpartition(".")[0]
-        abs_err, rel_err = _errors(grad, reference.grads.get(name))
+        abs_err, rel_err = _error_of(grad, reference.grads.get(name))
         bad = nonfinite([grad])
         yield OpReport(
             start + i, "backward", f"grad of {name}", module, "", ["float32"], ["float32"], 0,

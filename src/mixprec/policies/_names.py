@@ -158,7 +158,7 @@ def op_of_overload(name: str) -> str | None:
 
 
 def dispatched(op: object) -> object:
-    """What a call of ``op`` reaches the mode as: a ``custom_op`` object calls its default overload."""
+    """What a call of ``op`` reaches the dispatcher as: a ``custom_op`` object calls its default overload."""
     overload = getattr(op, "_opoverload", None)
     return overload if isinstance(overload, torch._ops.OpOverload) else op
 

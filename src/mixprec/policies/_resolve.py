@@ -11,11 +11,11 @@ Algorithm::
 
     builtins = [getattr(ns, name) for each C namespace that has it]
     aten = [torch.ops.aten.name, *its overloads]      # if ATen has the op
-    if builtins: return builtins + aten   # Python wrappers are expanded by the mode
+    if builtins: return builtins + aten   # a Python wrapper reaches its builtins' ATen ops
     return [Python-level functions with that name] + aten   # e.g. F.cross_entropy, Tensor.__rpow__
 
-Builtins map one to one onto ATen ops; Python composites over them are run with
-their inner calls intercepted, so they need no entry of their own.
+Builtins map one to one onto ATen ops; a Python composite over them reaches the
+Autocast key through the ATen ops it calls, so it needs no entry of its own.
 """
 
 from __future__ import annotations

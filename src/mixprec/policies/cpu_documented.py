@@ -1,4 +1,4 @@
-"""The torch.cpu.amp reference's lists (seed 000), exactly as documented.
+"""The op lists of PyTorch's "Automatic Mixed Precision package - torch.cpu.amp" reference, exactly as documented.
 
 Names the installed torch no longer has (``symeig``, ``eig``, ``lstsq``, ...)
 stay in the table; they simply match no callable.

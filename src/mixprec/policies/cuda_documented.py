@@ -1,4 +1,4 @@
-"""The torch.cuda.amp reference's lists (seed 001), exactly as documented."""
+"""The op lists of PyTorch's "Automatic Mixed Precision package - torch.cuda.amp" reference, exactly as documented."""
 
 LOWER_PRECISION_FP = (
     "__matmul__", "addbmm", "addmm", "addmv", "addr", "baddbmm", "bmm", "chain_matmul", "conv1d",

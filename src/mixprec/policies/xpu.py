@@ -1,4 +1,4 @@
-"""XPU policy: the lists of the XPU AMP guide (seed 002).
+"""XPU policy: the op lists of Intel's "Auto Mixed Precision (AMP) on GPU" guide for `torch.xpu.amp`.
 
 The guide names ``conv_transpose1d`` twice and never ``conv_transpose2d``; the
 second mention is read as ``conv_transpose2d`` (see docs/policy_tables.md).
