@@ -21,7 +21,9 @@ import time
 import pytest
 import torch
 
-from mixprec import _autocast, _cast, _compat, _compute, _install, _state
+from mixprec import _autocast, _compat
+from mixprec.engine import _cast, _compute, _state
+from mixprec.engine import _installation as _install
 
 #: The test files each row of docs/compatibility.md stands on.
 FEATURES: dict[str, tuple[str, ...]] = {
@@ -70,7 +72,7 @@ def _sampled(item: pytest.Item) -> bool:
     key = callspec.params.get("key") if callspec is not None else None
     if item.path.name != "test_cpu_opinfo.py" or key is None:
         return True
-    from mixprec import _tables
+    from mixprec.engine import _tables
 
     autocast = {_tables.qualified(op).split("::")[1].split(".")[0] for op in _tables.native("cpu")}
     if key.split(".")[0].replace("nn.functional.", "") in autocast or key in autocast:

@@ -40,9 +40,10 @@ import mixprec.diagnostics
 import mixprec.graph
 from _cli import PLANTED
 from _cli import run as run_cli
-from mixprec import _cast, _devices, _install, _kernels, _state
 from mixprec.cli._app import app
 from mixprec.diagnostics import Diagnosis, Run
+from mixprec.engine import _cast, _devices, _kernels, _state
+from mixprec.engine import _installation as _install
 from mixprec.integrations.lightning import MixprecPrecision
 from mixprec.policies import Category, Policy
 

@@ -17,7 +17,7 @@ import torch
 
 import mixprec
 from _counting import CountCasts
-from mixprec import _cast, _kernels
+from mixprec.engine import _cast, _kernels
 
 
 @pytest.fixture(autouse=True)

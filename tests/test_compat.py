@@ -23,7 +23,8 @@ import pytest
 import torch
 
 import mixprec
-from mixprec import _compat, _kernels, _tables
+from mixprec import _compat
+from mixprec.engine import _kernels, _tables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BF16, F32 = torch.bfloat16, torch.float32

@@ -92,7 +92,7 @@ def test_region_inside_compiles_to_one_graph():
     ids=["bf16", "fp16", "disabled", "cuda-policy"],
 )
 def test_guards_follow_the_state_outside(region, expected):
-    with region():  # registers the region's kernels: new kernels reset dynamo (see mixprec._guard)
+    with region():  # registers the region's kernels: new kernels reset dynamo (see mixprec.engine._guard)
         pass
     counter = CompileCounter()
     compiled = _compile(lambda x: LIN(x), counter)
@@ -168,7 +168,7 @@ def test_enabled_from_a_runtime_value(use_amp, expected):
 
 # Seed 004: uncommon usage patterns.
 def test_instance_reused_and_bound_with_as():
-    # A region torch's kernels serve is a torch.autocast under compile (mixprec._compile): reused as torch's
+    # A region torch's kernels serve is a torch.autocast under compile (mixprec.engine._compile): reused as torch's
     # is. One with a policy is mixprec's own, also re-entered through its ``as`` name.
     linear_fp32 = mixprec.policies.CPU.with_ops(fp32=["linear"])
 

@@ -47,7 +47,7 @@ from hypothesis import strategies as st
 import mixprec
 import reference
 from _opsamples import drawable
-from mixprec import _kernels
+from mixprec.engine import _kernels
 from reference import Call, Program, Ref, Region
 from test_differential import Outcome, _default_only, outcome, programs, same_outcome
 

@@ -1,4 +1,4 @@
-"""The compute= argument: validation, the auto rule (mixprec._compute), forcing a mode."""
+"""The compute= argument: validation, the auto rule (mixprec.engine._compute), forcing a mode."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import mixprec
-from mixprec import _compute, _state
 from mixprec._errors import MixprecWarning
+from mixprec.engine import _compute, _state
 
 
 @pytest.mark.parametrize("value", [1, None, torch.float16, ["auto"]])

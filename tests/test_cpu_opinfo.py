@@ -45,7 +45,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec import _kernels, _tables
+from mixprec.engine import _kernels, _tables
 
 
 def _databases() -> tuple[list[Any], list[Any]]:

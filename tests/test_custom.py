@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec._cast import cast_tree
+from mixprec.engine._cast import cast_tree
 
 
 class MyMM(torch.autograd.Function):

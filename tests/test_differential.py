@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 import mixprec
 import reference
 from _opsamples import HAND, POLICIES, UNLISTED, UNREACHABLE, drawable, samples, table_names
-from mixprec import _kernels
+from mixprec.engine import _kernels
 from reference import Call, Program, Ref, Region
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]

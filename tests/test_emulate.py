@@ -1,4 +1,4 @@
-"""compute="emulated" against compute="native" (mixprec._emulate, mixprec._emulate_kernels).
+"""compute="emulated" against compute="native" (mixprec.engine._emulate, mixprec.engine._emulate_kernels).
 
 Matrix products and convolutions are bilinear, so the error of an
 accumulation is bounded by the same computation on absolute values. Each
@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixprec
-from mixprec import _emulate_kernels
+from mixprec.engine import _emulate_kernels
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

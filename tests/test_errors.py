@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mixprec
-import mixprec._devices
+import mixprec.engine._devices
 
 
 def test_unknown_device_type_lists_known_ones():
@@ -55,8 +55,8 @@ def test_unsupported_dtype_warns_and_disables():
 
 
 def test_unavailable_device_warns_and_disables(monkeypatch):
-    cuda = mixprec._devices.DEVICES["cuda"]
-    monkeypatch.setitem(mixprec._devices.DEVICES, "cuda", dataclasses.replace(cuda, available=lambda: False))
+    cuda = mixprec.engine._devices.DEVICES["cuda"]
+    monkeypatch.setitem(mixprec.engine._devices.DEVICES, "cuda", dataclasses.replace(cuda, available=lambda: False))
     with pytest.warns(mixprec.AutocastDisabledWarning, match="'cuda' is not available") as record:
         region = mixprec.cuda.amp.autocast()
     assert record[0].filename == __file__  # the warning points at the user's line

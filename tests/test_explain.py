@@ -281,7 +281,7 @@ def test_explain_without_an_example_runs_the_op(op, policy, inputs, expected):
 
 
 def test_explain_changes_nothing_in_the_process():
-    from mixprec import _kernels
+    from mixprec.engine import _kernels
 
     before = _kernels.registered("cpu")
     state = (torch.random.get_rng_state(), torch.is_autocast_enabled("cpu"))

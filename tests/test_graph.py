@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec import _kernels
+from mixprec.engine import _kernels
 from mixprec.graph import apply_policy, cast_nodes
 from mixprec.graph._casts import cast_source
 

@@ -80,7 +80,7 @@ def test_installed_emulated_compute_is_what_a_mixprec_region_computes():
 def test_bad_arguments_get_autocasts_errors_and_install_nothing(kwargs, error, match):
     with pytest.raises(error, match=match):
         mixprec.install(**kwargs)
-    assert mixprec._install.current is None
+    assert mixprec.engine._installation.current is None
 
 
 def test_compiled_code_recompiles_when_an_installation_comes_and_goes():

@@ -16,7 +16,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec import _autocast, _kernels, _state
+from mixprec import _autocast
+from mixprec.engine import _kernels, _state
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 MM_FP32 = mixprec.policies.CPU.with_ops(fp32=["linear"], promote=["gelu"])
@@ -312,7 +313,7 @@ def test_a_region_opened_inside_a_checkpoint_recomputes_the_code_around_it_with_
 
 
 def test_a_table_that_drifted_from_torch_warns_once_and_explain_follows_torch(monkeypatch):
-    from mixprec import _tables
+    from mixprec.engine import _tables
 
     registered = _tables.native_registrations("AutocastCPU")
     monkeypatch.setattr(_tables, "_checked", set())

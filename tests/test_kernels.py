@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec import _kernels, _state, _tables
+from mixprec.engine import _kernels, _state, _tables
 
 CPU = mixprec.policies.CPU
 MM = torch.ops.aten.mm.default

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec import _kernels
+from mixprec.engine import _kernels
 
 BF16, F32 = torch.bfloat16, torch.float32
 CPU = mixprec.policies.CPU
@@ -305,7 +305,7 @@ INTERRUPTS = [KeyboardInterrupt, SystemExit, GeneratorExit]
 
 
 def _state_is_clean():
-    from mixprec import _state
+    from mixprec.engine import _state
 
     state = _state.get()
     return (not torch.is_autocast_enabled("cpu") and not state.frames and not state.active
@@ -352,7 +352,7 @@ def _raising_in(kind, error):
 def test_interrupts_restore_every_region_kind(kind, error):
     with pytest.raises(error):
         _raising_in(kind, error)
-    assert _state_is_clean() and mixprec._install.current is None
+    assert _state_is_clean() and mixprec.engine._installation.current is None
 
 
 def test_a_generator_closed_inside_a_region_restores_it():

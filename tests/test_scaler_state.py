@@ -21,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from torch import nn
 
 import mixprec
-from mixprec import _devices
+from mixprec.engine import _devices
 from mixprec.scaler import ScaleRecord, ScalerStateError
 
 # torch's exception for a misuse -> the exceptions mixprec may raise for it. ScalerStateError is also an

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec import _cast, _install, _kernels, _state, _tables
+from mixprec.engine import _cast, _kernels, _state, _tables
+from mixprec.engine import _installation as _install
 from mixprec.policies import Category, Policy
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32

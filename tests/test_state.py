@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import mixprec
-from mixprec import _autocast, _kernels, _state
+from mixprec import _autocast
+from mixprec.engine import _kernels, _state
 
 A = torch.randn(4, 4)
 B = torch.randn(4, 4)

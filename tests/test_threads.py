@@ -58,4 +58,4 @@ def test_three_threads_keep_their_own_settings():
     for t in threads:
         t.join()
     assert not failures, "\n".join(failures[:10])
-    assert torch.ops.aten.mm.default in mixprec._kernels.registered("cpu")
+    assert torch.ops.aten.mm.default in mixprec.engine._kernels.registered("cpu")

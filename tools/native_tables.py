@@ -54,7 +54,8 @@ def _probe(device_type: str, name: str) -> str:
 
 
 def main() -> int:
-    from mixprec import _compat, _tables
+    from mixprec import _compat
+    from mixprec.engine import _tables
 
     print(f"torch {torch.__version__}; mixprec's tables for torch {_compat.table_release()}")
     differs = False

@@ -13,12 +13,12 @@ _compat.require_supported()
 
 from mixprec import cpu, cuda, policies, xpu
 from mixprec._autocast import autocast, get_autocast_dtype, get_policy, is_autocast_enabled
-from mixprec._compute import KernelSupport, kernel_support
 from mixprec._custom import custom_bwd, custom_fwd
 from mixprec._errors import AutocastDisabledWarning, MixprecWarning
 from mixprec._explain import Explanation, explain
 from mixprec._install import InstallHandle, install
 from mixprec._module import AutocastModule, ModulePolicyHandle, set_module_policy
+from mixprec.engine._compute import KernelSupport, kernel_support
 from mixprec.policies import Category, Policy
 from mixprec.scaler import GradScaler, ScaleRecord, ScalerStateError
 

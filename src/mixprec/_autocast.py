@@ -9,19 +9,20 @@ from typing import Any, TypeVar
 
 import torch
 
-from mixprec import (
+from mixprec import _compat, _errors
+from mixprec.engine import (
     _cast,
-    _compat,
     _compile,
     _compute,
     _devices,
-    _errors,
     _guard,
-    _install,
     _kernels,
     _recompute,
     _state,
     _tables,
+)
+from mixprec.engine import (
+    _installation as _install,
 )
 from mixprec.policies import Policy
 
@@ -98,7 +99,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
     and restored when the region exits, also on an exception.
 
     Args:
-        device_type: ``"cpu"``, ``"cuda"``, ``"xpu"``, ... (see ``mixprec._devices``).
+        device_type: ``"cpu"``, ``"cuda"``, ``"xpu"``, ... (see ``mixprec.engine._devices``).
         dtype: The lower-precision dtype; defaults to the device's
             (cpu: bfloat16, cuda: float16, xpu: bfloat16, others: float16).
         enabled: Whether autocast is on in the region.
@@ -137,7 +138,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
     ) -> Any:
         if _dynamo_compiling():
             # Made in compiled code: a region torch's kernels serve exactly is a torch.autocast, which dynamo
-            # knows natively (graph breaks, nesting, guards); any other is this class (see mixprec._compile).
+            # knows natively (graph breaks, nesting, guards); any other is this class (see mixprec.engine._compile).
             cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
             native, fast, usable, cache, _ = _compile.plan(
                 device_type, dtype, enabled, cache, _compat.to_constant(policy), compute

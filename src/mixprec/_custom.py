@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from mixprec import _autocast, _cast, _devices, _errors, _state
+from mixprec import _autocast, _errors
+from mixprec.engine import _cast, _devices, _state
 
 
 def _check_callable(where: str, name: str, value: object) -> None:

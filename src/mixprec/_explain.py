@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.utils._pytree
 
-from mixprec import _autocast, _devices, _errors, _explain_run, _kernels, _tables
-from mixprec.policies import _names, _serial
-from mixprec.policies._policy import Category, Policy
+from mixprec import _autocast, _errors, _explain_run
+from mixprec.engine import _devices, _kernels, _tables
+from mixprec.policies import Category, Policy, _names, _serial
 
 _float32 = torch.float32
 

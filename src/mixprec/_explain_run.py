@@ -29,7 +29,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from mixprec import _compat, _tables
+from mixprec import _compat
+from mixprec.engine import _tables
 from mixprec.policies import Category
 
 Op = torch._ops.OpOverload

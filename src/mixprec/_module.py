@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from mixprec import _autocast, _cast, _compat, _compile, _devices, _errors, _recompute, _state
+from mixprec import _autocast, _compat, _errors
+from mixprec.engine import _cast, _compile, _devices, _recompute, _state
 from mixprec.policies import Policy
 
 FP32 = "fp32"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from mixprec import _devices
+from mixprec.engine import _devices
 
 
 class CliError(Exception):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from mixprec import _devices
 from mixprec.cli._common import CliError, device_type, low_dtype
+from mixprec.engine import _devices
 
 
 def import_modules(modules: list[str]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import mixprec
-from mixprec import _devices, _errors
+from mixprec import _errors
 from mixprec.diagnostics._compare import (
     OpReport,
     Target,
@@ -32,6 +32,7 @@ from mixprec.diagnostics._compare import (
     module_source,
     run_once,
 )
+from mixprec.engine import _devices
 
 SCHEMA = "mixprec.doctor/1"
 

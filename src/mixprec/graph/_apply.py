@@ -26,7 +26,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from mixprec import _devices, _errors
+from mixprec import _errors
+from mixprec.engine import _devices
 from mixprec.graph._casts import Casts, dtype_of, is_cast
 from mixprec.policies import Category, Policy
 

@@ -23,7 +23,8 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from mixprec import _autocast, _devices, _errors
+from mixprec import _autocast, _errors
+from mixprec.engine import _devices
 from mixprec.policies import Policy
 from mixprec.scaler import GradScaler
 

@@ -10,10 +10,12 @@ built at import time: each attribute is made on first access.
 from __future__ import annotations
 
 import functools
-import importlib
+import types
 from typing import TYPE_CHECKING
 
-from mixprec.policies._policy import CATEGORIES, Category, Policy
+from mixprec.policies._builtin import BUILTIN, DOCUMENTED, NATIVE, lists, table_of
+from mixprec.policies._category import CATEGORIES, Category
+from mixprec.policies._policy import Policy
 
 if TYPE_CHECKING:
     CPU: Policy
@@ -22,63 +24,7 @@ if TYPE_CHECKING:
     CPU_DOCUMENTED: Policy
     CUDA_DOCUMENTED: Policy
 
-#: Built-in policies: attribute name -> data module.
-BUILTIN = {
-    "CPU": "cpu",
-    "CUDA": "cuda",
-    "XPU": "xpu",
-    "CPU_DOCUMENTED": "cpu_documented",
-    "CUDA_DOCUMENTED": "cuda_documented",
-}
-
-#: Built-in policies that hold a document's lists; the others reproduce torch's native tables.
-DOCUMENTED = ("XPU", "CPU_DOCUMENTED", "CUDA_DOCUMENTED")
-#: Built-in policies that reproduce torch's native tables, one table per supported torch release.
-NATIVE = ("CPU", "CUDA")
-
 __all__ = ["BUILTIN", "CATEGORIES", "DOCUMENTED", "NATIVE", "Category", "Policy", "describes", "lists", *BUILTIN]
-
-
-def lists(attr: str, release: str | None = None) -> dict[str, tuple[str, ...]]:
-    """A built-in policy's ``{category: ops}`` as its data module gives them for a torch release
-    (``"2.15"``; None: the release the installed torch's tables follow). Documented lists have one."""
-    from mixprec import _compat, _errors
-
-    _errors.check_type("name", attr, str, what="mixprec.policies.lists")
-    _errors.check_type("release", release, str, optional=True, what="mixprec.policies.lists")
-    if attr not in BUILTIN:
-        raise ValueError(
-            _errors.message(
-                f"No built-in policy named {attr!r}",
-                "lists reads the data module of a built-in policy",
-                received={"name": attr},
-                expected=list(BUILTIN),
-            )
-        )
-    module = importlib.import_module(f"mixprec.policies.{BUILTIN[attr]}")
-    table = {category: tuple(ops) for category, ops in module.TABLE.items()}
-    releases = getattr(module, "RELEASES", None)
-    if releases is None:
-        return table
-    release = _compat.table_release() if release is None else release
-    if release not in releases:
-        raise ValueError(
-            _errors.message(
-                f"No {attr} table for torch {release}",
-                "the built-in native tables cover the supported releases only",
-                received={"release": release},
-                expected=list(releases),
-            )
-        )
-    change = releases[release]
-    removed = set(change.get("removed", ()))
-    added = {op for category, ops in change.items() if category != "removed" for op in ops}
-    for category in table:
-        table[category] = tuple(op for op in table[category] if op not in removed and op not in added)
-    for category, ops in change.items():
-        if category != "removed":
-            table[category] = table.get(category, ()) + tuple(ops)
-    return table
 
 
 def describes(policy: Policy) -> str | None:
@@ -92,7 +38,7 @@ def describes(policy: Policy) -> str | None:
 
 @functools.cache
 def _build(attr: str) -> Policy:
-    return Policy.from_lists(attr, lists(attr), base=attr)
+    return Policy(attr, types.MappingProxyType(table_of(attr)), base=attr)
 
 
 def __getattr__(attr: str) -> Policy:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import os
 import types
@@ -12,44 +11,8 @@ from typing import Any
 
 from mixprec import _compat, _errors
 from mixprec.policies import _advice, _names, _resolve, _serial
-
-
-class Category(str, enum.Enum):
-    """How autocast treats an op; the names are ATen's cast policies."""
-
-    LOWER_PRECISION_FP = "lower_precision_fp"  # cast inputs to the autocast dtype
-    FP32 = "fp32"  # cast inputs to float32
-    FP32_SET_OPT_DTYPE = "fp32_set_opt_dtype"  # pass dtype=float32 if the first input is eligible
-    FP32_APPEND_DTYPE = "fp32_append_dtype"  # append dtype=float32 (norm)
-    PROMOTE = "promote"  # cast all inputs to the widest input dtype
-    BANNED = "banned"  # raise, naming the safe alternative
-
-    def __str__(self) -> str:
-        return self.value
-
-    @classmethod
-    def _missing_(cls, value: object) -> Category:
-        raise _unknown_category(value) from None
-
-
-CATEGORIES = tuple(c.value for c in Category)
-
-
-def _unknown_category(value: object) -> Exception:
-    named = isinstance(value, str)
-    return (ValueError if named else TypeError)(
-        _errors.message(
-            "Unknown autocast category",
-            "a policy sorts ops into ATen's cast categories only" if named else "a category is named by a string",
-            received={"category": value},
-            expected=CATEGORIES,
-        )
-    )
-
-
-def category_of(value: object) -> Category:
-    """Parse a category name, with mixprec's error for anything else (TypeError for a non-string)."""
-    return Category(value)
+from mixprec.policies._builtin import BUILTIN
+from mixprec.policies._category import Category, category_of
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -235,8 +198,6 @@ class Policy:
             f"{op} is banned in autocast regions by the policy {self.name!r}. The safe alternative is "
             "to call it outside the autocast region, on float32 inputs.",
         )
-        from mixprec.policies import BUILTIN
-
         ref = f"mixprec.policies.{self.name}" if self.name in BUILTIN and not self.changes else "policy"
         return (
             f"{why} To lift the ban, move the op to float32: pass "
@@ -290,8 +251,6 @@ class Policy:
 
 def _check_fields(name: object, table: object, base: object) -> None:
     """TypeError / ValueError for a Policy built from anything but a name, ``{op name: Category}`` and a base."""
-    from mixprec.policies import BUILTIN
-
     fix = "Build a table from category names with Policy.from_lists(name, {'fp32': ['softmax']})."
     if not isinstance(name, str):
         raise TypeError(

@@ -10,7 +10,7 @@ import importlib
 
 import mixprec.policies as policies
 from mixprec import _compat
-from mixprec.policies._policy import Category, Policy
+from mixprec.policies import Category, Policy
 
 #: The release whose native tables the document lists (the others are listed as differences from 2.13's).
 SHOWN = _compat.NEWEST

@@ -23,14 +23,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from mixprec import _errors
-from mixprec.policies import _names
+from mixprec.policies import _builtin, _names
+from mixprec.policies._builtin import BUILTIN
+from mixprec.policies._category import category_of
 
 KEYS = ("name", "base", "ops", "without_ops")
 
 
 def _builtin_names() -> tuple[str, ...]:
-    from mixprec.policies import BUILTIN
-
     return tuple(BUILTIN)
 
 
@@ -38,9 +38,7 @@ def base_table(base: str | None) -> Mapping[str, Any]:
     """The table of the built-in policy ``base`` (empty for None)."""
     if base is None:
         return {}
-    import mixprec.policies as policies
-
-    return getattr(policies, base).table  # type: ignore[no-any-return]
+    return _builtin.table_of(base)
 
 
 def _bad(where: str, why: str, name: str, value: object, expected: object) -> ValueError:
@@ -57,8 +55,6 @@ def _string_list(where: str, key: str, value: object) -> list[str]:
 
 def check(data: object, where: str = "dict") -> tuple[str, str | None, dict[str, list[str]], list[str]]:
     """Validate a policy dict: (name, base, {category: names}, without_ops), names checked."""
-    from mixprec.policies._policy import category_of
-
     if not isinstance(data, Mapping):
         raise TypeError(
             _errors.message(f"Invalid policy {where}", "it must be a mapping", received={"data": data},

@@ -8,7 +8,7 @@ The ops that have a kernel at the AutocastCPU dispatch key
 by category. Torch registers some of them for a few overloads only
 (``_convolution.deprecated``, ``conv1d`` and ``conv1d.padding``); mixprec
 follows torch's registrations overload by overload for every op whose category
-a policy leaves as it is here (``mixprec._tables``). Composites such as
+a policy leaves as it is here (``mixprec.engine._tables``). Composites such as
 ``tensordot`` or ``einsum`` are not listed: they decompose below the Autocast
 key, and the listed ops they reach are cast there, as natively.
 """

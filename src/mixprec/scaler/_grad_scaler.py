@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from mixprec import _devices, _errors
+from mixprec import _errors
+from mixprec.engine import _devices
 from mixprec.scaler import _distributed
 from mixprec.scaler._history import History, ScaleRecord
 from mixprec.scaler._settings import ORDER, ScalerSettings, ScalerStateError, check_init_scale, make_rule

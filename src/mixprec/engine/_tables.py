@@ -22,7 +22,8 @@ import functools
 
 import torch
 
-from mixprec import _compat, _devices, _errors
+from mixprec import _compat, _errors
+from mixprec.engine import _devices
 from mixprec.policies import Category, Policy
 
 Op = torch._ops.OpOverload

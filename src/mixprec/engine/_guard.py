@@ -31,9 +31,11 @@ from typing import Any
 
 import torch
 
-from mixprec import _compat, _errors, _install, _state, _tables
+from mixprec import _compat, _errors
+from mixprec.engine import _installation as _install
+from mixprec.engine import _state, _tables
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mixprec/, not engine/
 _DYNAMO = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep + "_dynamo" + os.sep
 
 

@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
-from mixprec import _compat, _install, _state
+from mixprec import _compat
+from mixprec.engine import _installation as _install
+from mixprec.engine import _state
 
 _ATTRIBUTE = "_mixprec_settings"
 _top_hooks = _compat.top_saved_tensors_hooks

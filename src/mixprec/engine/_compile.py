@@ -35,8 +35,10 @@ from typing import Any
 
 import torch
 
-from mixprec import _compat, _compute, _devices, _errors, _guard, _install, _kernels, _recompute, _state, _tables
+from mixprec import _compat, _errors
 from mixprec._compat import constant
+from mixprec.engine import _compute, _devices, _guard, _kernels, _recompute, _state, _tables
+from mixprec.engine import _installation as _install
 from mixprec.policies import Policy
 
 _lock = threading.Lock()

@@ -1,6 +1,6 @@
 """Matrix products and convolutions in float32, with their backward written out.
 
-Used by ``mixprec._emulate`` for ``compute="emulated"``. A call is first bound
+Used by ``mixprec.engine._emulate`` for ``compute="emulated"``. A call is first bound
 to the torch signature of its op (``Tensor.addmm``, ``torch.ops.aten.addmm``
 and ``torch.addmm`` bind alike), giving ``(params, tensors)``; a kernel then
 runs ``forward(params, *tensors32)`` and, for backward,

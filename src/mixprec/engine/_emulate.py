@@ -20,7 +20,7 @@ accumulated in float32, which is what bfloat16 / float16 matrix units do, so
 results agree with native kernels up to accumulation order.
 
 Matrix products (mm, addmm, bmm, baddbmm, matmul, linear) and convolutions
-(``mixprec._emulate_kernels``) have their backward written out. Every other
+(``mixprec.engine._emulate_kernels``) have their backward written out. Every other
 ``lower_precision_fp`` op (scaled_dot_product_attention, RNN cells, nn.LSTM /
 nn.GRU, ...) goes through ``_Recompute``: it saves the low-precision inputs and
 the random-number state, and its backward recomputes the op in float32 from
@@ -56,7 +56,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from mixprec import _compat, _emulate_kernels
+from mixprec import _compat
+from mixprec.engine import _emulate_kernels
 
 _Tensor = torch.Tensor
 

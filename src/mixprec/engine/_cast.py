@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from mixprec import _compat, _state
+from mixprec import _compat
+from mixprec.engine import _state
 
 _Tensor = torch.Tensor
 _float32 = torch.float32

@@ -28,7 +28,9 @@ from typing import Any
 
 import torch
 
-from mixprec import _cast, _compat, _errors, _guard, _install, _recompute, _rules, _state, _tables
+from mixprec import _compat, _errors
+from mixprec.engine import _cast, _guard, _recompute, _rules, _state, _tables
+from mixprec.engine import _installation as _install
 from mixprec.policies import Category, Policy
 
 Op = torch._ops.OpOverload

@@ -3,7 +3,7 @@
 ``compute="native"`` runs ``lower_precision_fp`` ops on the device's float16 /
 bfloat16 kernels, as torch autocast does. ``compute="emulated"`` rounds their
 inputs to the autocast dtype, runs float32 kernels and rounds the outputs (see
-``mixprec._emulate``). ``compute="auto"`` (the default) picks native where the
+``mixprec.engine._emulate``). ``compute="auto"`` (the default) picks native where the
 device has native low-precision matrix kernels and emulated elsewhere.
 
 The rule for CPUs, from measurements with torch 2.13 (docs/benchmarks.md,
@@ -42,8 +42,9 @@ from collections.abc import Callable
 
 import torch
 
-from mixprec import _devices, _errors
+from mixprec import _errors
 from mixprec._compat import constant
+from mixprec.engine import _devices
 
 COMPUTE_MODES = ("auto", "native", "emulated")
 

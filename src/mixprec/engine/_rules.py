@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from mixprec import _cast, _emulate, _errors
+from mixprec import _errors
+from mixprec.engine import _cast, _emulate
 from mixprec.policies import Category
 
 _float32 = torch.float32
