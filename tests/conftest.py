@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from mixprec import _autocast, _compat
+from mixprec import _autocast, _compat, engine
 from mixprec.engine import _cast, _compute, _state
 from mixprec.engine import _installation as _install
 
@@ -200,11 +200,7 @@ def fake_cpu_flags(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-
         monkeypatch.setattr(_compute.platform, "machine", lambda: "x86_64")
         monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
         monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
-        _compute._cpu_support.cache_clear()
-        _compute._max_isa.cache_clear()
-        _autocast._made.clear()
+        engine.reset()  # regions decided their compute on the real flags
 
     yield set_flags
-    _compute._cpu_support.cache_clear()
-    _compute._max_isa.cache_clear()
-    _autocast._made.clear()
+    engine.reset()

@@ -17,6 +17,7 @@ import torch
 
 import mixprec
 from _counting import CountCasts
+from mixprec import engine
 from mixprec.engine import _cast, _kernels
 
 
@@ -24,7 +25,7 @@ from mixprec.engine import _cast, _kernels
 def _mm_through_mixprec():
     _kernels.register("AutocastCPU", "cpu", {torch.ops.aten.mm.default})
     yield
-    _kernels.reset()
+    engine.reset()
 
 
 def casts_of(fn, *, cache_enabled=True):
@@ -34,7 +35,7 @@ def casts_of(fn, *, cache_enabled=True):
 
 
 def native_casts_of(fn):
-    _kernels.reset()  # torch's own kernels and cache
+    engine.reset()  # torch's own kernels and cache
     try:
         with CountCasts() as counter, torch.autocast("cpu", dtype=torch.bfloat16):
             fn()
@@ -155,7 +156,7 @@ def test_a_weight_dropped_in_its_region_lives_until_the_exit_as_natively():
 
     keyed_weakly, *mixprec_lifetime = drop_inside(mixprec.autocast("cpu", compute="native"))
     assert keyed_weakly == [True]  # one entry, whose key is a weak reference to the weight
-    _kernels.reset()  # torch's own kernels and cache
+    engine.reset()  # torch's own kernels and cache
     _, *native_lifetime = drop_inside(torch.autocast("cpu", dtype=torch.bfloat16))
     assert mixprec_lifetime == native_lifetime == [True, False]
 

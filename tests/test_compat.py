@@ -23,8 +23,8 @@ import pytest
 import torch
 
 import mixprec
-from mixprec import _compat
-from mixprec.engine import _kernels, _tables
+from mixprec import _compat, engine
+from mixprec.engine import _tables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 BF16, F32 = torch.bfloat16, torch.float32
@@ -249,7 +249,7 @@ def test_mixprec_and_torch_regions_nest_in_any_order_in_compiled_code(nesting, g
 
 
 def test_tracing_is_seen_from_inside_a_dispatcher_kernel():
-    _kernels.reset()  # mm has no kernel of mixprec's that earlier tests left
+    engine.reset()  # mm has no kernel of mixprec's that earlier tests left
     seen = []
     library = torch.library.Library("aten", "IMPL")
     after = _compat.keyset_after(_compat.dispatch_key("AutocastCPU"))
@@ -277,7 +277,7 @@ def test_tracing_is_seen_from_inside_a_dispatcher_kernel():
         assert seen == [False]
     finally:
         _compat.destroy_library(library)
-        _kernels.reset()
+        engine.reset()
         torch._dynamo.reset()
 
 

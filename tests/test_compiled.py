@@ -47,7 +47,7 @@ from hypothesis import strategies as st
 import mixprec
 import reference
 from _opsamples import drawable
-from mixprec.engine import _kernels
+from mixprec import engine
 from reference import Call, Program, Ref, Region
 from test_differential import Outcome, _default_only, outcome, programs, same_outcome
 
@@ -254,11 +254,11 @@ def _dtypes(value: Any) -> Any:
 
 def check(program: Program, breaks: frozenset[int], backend: str) -> None:
     """The program compiled with ``backend`` against its eager run, and against native's where it has one."""
-    _kernels.reset()
+    engine.reset()
     source = Source(program, breaks)
     eager = outcome(source.runner(None))
     eager_log = source.log if eager.error is None else None
-    _kernels.reset()
+    engine.reset()
     mine = outcome(source.runner(_compiler(backend)))
     if mine.error is not None and eager.error is None:
         stripped = Source(_stripped(program), breaks)
@@ -284,7 +284,7 @@ def check(program: Program, breaks: frozenset[int], backend: str) -> None:
         assert _dtypes(mine.grads) == _dtypes(eager.grads), f"gradient dtypes differ from eager\n{source.text}"
     if _default_only(program):
         native = Source(program, breaks, native=True)
-        _kernels.reset()
+        engine.reset()
         same_outcome(mine, outcome(native.runner(_compiler(backend))), f"native torch.autocast ({source.text})")
 
 
@@ -332,7 +332,7 @@ def _settings(backend: str) -> settings:
 @pytest.fixture(autouse=True)
 def _pristine() -> Any:
     yield
-    _kernels.reset()
+    engine.reset()
     torch._dynamo.reset()
 
 

@@ -45,6 +45,7 @@ import pytest
 import torch
 
 import mixprec
+from mixprec import engine
 from mixprec.engine import _kernels, _tables
 
 
@@ -268,9 +269,9 @@ def _module_cases(info: Any, autocast_dtype: torch.dtype) -> Iterator[Case]:
 @pytest.fixture(autouse=True)
 def _pristine_native():
     """Native runs with none of mixprec's kernels (earlier tests may have registered some)."""
-    _kernels.reset()
+    engine.reset()
     yield
-    _kernels.reset()
+    engine.reset()
 
 
 @contextlib.contextmanager
@@ -279,7 +280,7 @@ def _every_native_op_as_mixprec_kernel() -> Iterator[None]:
     try:
         yield
     finally:
-        _kernels.reset()
+        engine.reset()
 
 
 def _check(key: str, cases: Iterator[Case], autocast_dtype: torch.dtype, values: str) -> None:

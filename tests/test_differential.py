@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 import mixprec
 import reference
 from _opsamples import HAND, POLICIES, UNLISTED, UNREACHABLE, drawable, samples, table_names
-from mixprec.engine import _kernels
+from mixprec import engine
 from reference import Call, Program, Ref, Region
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
@@ -299,7 +299,7 @@ def same_outcome(mine: Outcome, theirs: Outcome, label: str) -> None:
 
 @functools.cache
 def _native() -> reference.NativeTables:
-    _kernels.reset()
+    engine.reset()
     return reference.NativeTables()
 
 
@@ -349,9 +349,9 @@ def _default_only(program: Program) -> bool:
 def check(program: Program) -> None:
     """The program's outcome through mixprec equals the reference's, and native torch's where it has one."""
     native = _native()
-    _kernels.reset()  # this program's kernels are the ones its settings register (the reference's cache rule)
+    engine.reset()  # this program's kernels are the ones its settings register (the reference's cache rule)
     mine = outcome(lambda: run_engine(program))
-    _kernels.reset()
+    engine.reset()
     try:
         expected = outcome(lambda: reference.Reference(program, native, _overloads).run())
     except reference.UnmodelledError:
@@ -364,7 +364,7 @@ def check(program: Program) -> None:
 @pytest.fixture(autouse=True)
 def _pristine_kernels() -> Any:
     yield
-    _kernels.reset()
+    engine.reset()
 
 
 @pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")
@@ -393,9 +393,9 @@ def test_every_table_op_is_drawn_or_named_unreachable() -> None:
 def _exact(program: Program) -> Outcome:
     """``check`` for a hand-kept program: the interpreter must model it (no rejection); mixprec's outcome."""
     native = _native()
-    _kernels.reset()
+    engine.reset()
     mine = outcome(lambda: run_engine(program))
-    _kernels.reset()
+    engine.reset()
     same_outcome(mine, outcome(lambda: reference.Reference(program, native, _overloads).run()), "reference")
     if _default_only(program):
         same_outcome(mine, outcome(lambda: run_engine(program, native=True)), "native torch.autocast")

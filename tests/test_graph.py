@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec.engine import _kernels
+from mixprec import engine
 from mixprec.graph import apply_policy, cast_nodes
 from mixprec.graph._casts import cast_source
 
@@ -86,7 +86,7 @@ def test_trace_and_freeze_record_the_casts(grad):
 def test_trace_with_the_cache_on_fails_as_native_does(grad):
     # The region is torch's autocast state, cache flag included: tracing under it behaves as under torch.autocast
     # (with torch's own kernels: mixprec's that earlier tests registered keep their own cache).
-    _kernels.reset()
+    engine.reset()
     outcomes = []
     for region in (torch.autocast("cpu"), mixprec.autocast("cpu", compute="native")):
         with torch.set_grad_enabled(grad), region:

@@ -16,7 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec import _autocast
+from mixprec import engine
 from mixprec.engine import _kernels, _state
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -25,14 +25,13 @@ MM_FP32 = mixprec.policies.CPU.with_ops(fp32=["linear"], promote=["gelu"])
 
 @pytest.fixture(autouse=True, params=["torch-state-alone", "framed"])
 def region_path(request):
-    _kernels.reset()
-    _autocast._made.clear()
+    engine.reset()
     _kernels.ensure(_state.make_setting("cpu", mixprec.policies.CPU, False, frozenset()))  # torch's tables checked
     if request.param == "framed":
-        _state.holders.add(_state.KERNELS)
+        _state.set_kernels_registered(True)
     yield request.param
-    _state.holders.discard(_state.KERNELS)
-    _kernels.reset()
+    _state.set_kernels_registered(False)
+    engine.reset()
 
 
 def _native():
@@ -313,7 +312,7 @@ def test_a_region_opened_inside_a_checkpoint_recomputes_the_code_around_it_with_
 
 
 def test_a_table_that_drifted_from_torch_warns_once_and_explain_follows_torch(monkeypatch):
-    from mixprec.engine import _tables
+    from mixprec.engine import _memo, _tables
 
     registered = _tables.native_registrations("AutocastCPU")
     monkeypatch.setattr(_tables, "_checked", set())
@@ -322,6 +321,7 @@ def test_a_table_that_drifted_from_torch_warns_once_and_explain_follows_torch(mo
         _tables.check_native("cpu")
     _tables.check_native("cpu")  # once only: pytest turns a second MixprecWarning into an error
     monkeypatch.setattr(_tables, "native", lambda device: {})
-    monkeypatch.setattr(_tables, "_by_policy", {})  # effective tables memoized against the real torch
+    # effective tables memoized against the real torch: a fresh memo while native() is patched
+    monkeypatch.setattr(_tables, "_by_policy", _memo.Memo(4, "tables while native is patched"))
     why = mixprec.explain("mm", "cpu", mixprec.policies.CPU)
     assert why.category is None and why.runs_in is F32

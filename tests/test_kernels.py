@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import mixprec
+from mixprec import engine
 from mixprec.engine import _kernels, _state, _tables
 
 CPU = mixprec.policies.CPU
@@ -16,9 +17,9 @@ MM = torch.ops.aten.mm.default
 
 @pytest.fixture(autouse=True)
 def _fresh_kernels():
-    _kernels.reset()
+    engine.reset()
     yield
-    _kernels.reset()
+    engine.reset()
 
 
 def test_the_default_policy_with_native_compute_registers_nothing():
@@ -83,7 +84,7 @@ def test_a_plain_torch_autocast_region_through_mixprec_kernels_is_native():
 def test_reset_gives_torch_its_own_kernels_back():
     with mixprec.autocast("cpu", policy=CPU.with_ops(fp32=["mm"]), compute="native"):
         pass
-    _kernels.reset()
+    engine.reset()
     assert _kernels.registered("cpu") == frozenset()
     assert "aten::mm" in torch._C._dispatch_get_registrations_for_dispatch_key("AutocastCPU")
     with torch.autocast("cpu"):

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec.engine import _kernels
+from mixprec import engine
 
 BF16, F32 = torch.bfloat16, torch.float32
 CPU = mixprec.policies.CPU
@@ -440,7 +440,7 @@ def test_plain_torch_autocast_caches_as_native_in_this_process_too():
         for _ in range(8):
             y = lin(y)
     assert count.casts == 3  # the input, the weight and the bias: once each
-    _kernels.reset()
+    engine.reset()
 
 
 @pytest.mark.parametrize(

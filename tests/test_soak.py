@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
+from mixprec import engine
 from mixprec.engine import _cast, _kernels, _state, _tables
 from mixprec.engine import _installation as _install
 from mixprec.policies import Category, Policy
@@ -536,9 +537,9 @@ def _mib(n: float) -> str:
 @pytest.fixture
 def _pristine_kernels():
     """No mixprec kernel before the test (only its own registrations count) nor after it."""
-    _kernels.reset()
+    engine.reset()
     yield
-    _kernels.reset()
+    engine.reset()
 
 
 @pytest.mark.usefixtures("_pristine_kernels")

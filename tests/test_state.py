@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import mixprec
-from mixprec import _autocast
+from mixprec import engine
 from mixprec.engine import _kernels, _state
 
 A = torch.randn(4, 4)
@@ -190,10 +190,9 @@ def test_backward_runs_in_forward_dtypes():
 def no_kernels():
     """No mixprec kernel registered (a region of the default policy with native compute needs none), and
     regions made afresh."""
-    _kernels.reset()
-    _autocast._made.clear()
+    engine.reset()
     yield
-    _kernels.reset()
+    engine.reset()
 
 
 def _frames() -> int:

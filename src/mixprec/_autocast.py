@@ -17,6 +17,7 @@ from mixprec.engine import (
     _devices,
     _guard,
     _kernels,
+    _memo,
     _recompute,
     _state,
     _tables,
@@ -71,10 +72,10 @@ class _Made(type):
             cache = _is_cached() if cache_enabled is None else cache_enabled
             if type(cache) is bool:
                 try:
-                    found = _made.get((device_type, dtype, cache, compute, id(policy)))
+                    found = _made.get((device_type, dtype, cache, compute, policy))
                 except TypeError:  # an unhashable argument: refused by __init__
                     found = None
-                if found is not None and found._policy is policy:
+                if found is not None:
                     return found
         return super().__call__(device_type, dtype, enabled, cache_enabled, policy=policy, compute=compute)
 
@@ -187,12 +188,10 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             chosen = self._policy if self._policy is not None else default
             self._setting = _state.make_setting(device_type, chosen, self._emulate, self._emulate_ops)
             # The default policy is torch's table for the device (``_tables.effective`` changes nothing).
-            self._native_only = chosen is default and not self._emulate and not self._emulate_ops
-            self._plain = self._native_only and self._setting.ready is _kernels.generation
+            self._native_only = chosen == default and not self._emulate and not self._emulate_ops
+            self._plain = self._native_only and self._setting.derived.get("ready") is _kernels.generation
             if type(self) is autocast:  # (a subclass makes its own: _Subclass)
-                if len(_made) > 256:
-                    _made.clear()
-                _made[(device_type, dtype, self._cache_enabled, compute, id(policy))] = self
+                _made.put((device_type, dtype, self._cache_enabled, compute, policy), self)
 
     def _decide_compute(self) -> None:
         """Whether the region emulates its lower_precision_fp ops, and which ones it emulates regardless."""
@@ -201,11 +200,11 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         self._emulate_ops = _compute.emulated_ops(compute, device, dtype) if enabled else _NO_OPS
 
     def __enter__(self) -> autocast:
-        if self._plain and not _holders and not _function_mode_enabled():
-            # The default policy with native compute, no mixprec kernel registered and no mixprec level or
-            # setting open in any thread (``_state.holders``): torch's kernels do all the work, so the level is
-            # torch's state alone, set as torch.autocast sets it. What to restore is kept on the region; if the
-            # region is open already (nested, or in another thread), this level takes a frame.
+        if self._plain and not _holders and not _state.kernels_registered and not _function_mode_enabled():
+            # The default policy with native compute, no mixprec kernel registered (``_state.kernels_registered``)
+            # and no mixprec level or setting open in any thread (``_state.holders``): torch's kernels do all the
+            # work, so the level is torch's state alone, set as torch.autocast sets it. What to restore is kept on
+            # the region; if the region is open already (nested, or in another thread), this level takes a frame.
             device = self.device
             saved = (_is_enabled(device), _get_dtype(device), _is_cached())
             if self._unframed.setdefault(0, saved) is saved:  # one atomic claim (regions are shared: _Made)
@@ -237,7 +236,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         # (dynamo refuses to enter a context manager made outside the function it compiles, and the
         # decorator's copy made under compile holds none). ``enter``'s eager path written out: a region is
         # entered on every step, and its cost shows against a small compiled model.
-        if setting.ready is not _kernels.generation:
+        if setting.derived.get("ready") is not _kernels.generation:
             _kernels.ensure(setting)  # on first use, this checks torch's tables too (_tables.check_native)
         if self._native_only:
             self._plain = True
@@ -392,8 +391,9 @@ def _remake(
     return region
 
 
-#: ``(device_type, dtype, cache_enabled, compute, id(policy))`` -> the enabled region made for them.
-_made: dict[tuple[Any, ...], autocast] = {}
+#: ``(device_type, dtype, cache_enabled, compute, policy)`` -> the enabled region made for them (an equal policy
+#: made later gets the same region).
+_made: _memo.Memo[tuple[Any, ...], autocast] = _memo.Memo(256, "regions")
 
 
 def enter(

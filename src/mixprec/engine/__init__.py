@@ -15,3 +15,22 @@ Its parts, in the order a call meets them (``docs/design.md`` draws the flow):
 * ``_compute``, ``_emulate``, ``_emulate_kernels``: ``compute="auto" | "native" | "emulated"``.
 * ``_compile``, ``_guard``: regions inside code that ``torch.compile`` traces, and the guards on the state.
 """
+
+
+def reset() -> None:
+    """Put the engine's process-wide state back as a fresh process has it: the one reset tests use.
+
+    * No mixprec kernel at any Autocast key: torch's own kernels serve every region again (registering one
+      later resets dynamo, as the first registration in a process does).
+    * Every memo empty (settings, resolved tables, kernel entries, made regions, policy fingerprints), and the
+      CPU's low-precision support probed again on next use (``ONEDNN_MAX_CPU_ISA`` read again).
+
+    What a test opens stays its own to close: regions, module policies and an ``install`` are left alone (the
+    suite's ``_no_autocast_leak`` fixture checks that each test closed them). Compile tokens stay too, as a
+    compiled graph may still hold one.
+    """
+    from mixprec.engine import _compute, _kernels, _memo
+
+    _kernels.reset()
+    _memo.clear_all()
+    _compute.clear_probes()

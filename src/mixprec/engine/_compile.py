@@ -43,8 +43,8 @@ from mixprec.policies import Policy
 
 _lock = threading.Lock()
 #: token -> what it stands for in a graph: a setting (0: none), or a module policy. A compiled graph holds the
-#: int; the entry keeps the object alive for as long as the process may run that graph. One entry per distinct
-#: setting or policy used under compile.
+#: int, so an entry must live as long as the process may run that graph: these two are not bounded, but keyed
+#: by content they hold one entry per distinct setting or policy compiled, however often an equal one is made.
 _tokens: dict[int, Any] = {0: None}
 _token_of: dict[tuple[Any, ...], int] = {}
 
@@ -52,25 +52,22 @@ _token_of: dict[tuple[Any, ...], int] = {}
 Plan = tuple[bool, torch.dtype, bool, bool, int]
 
 
-def _token(key: tuple[Any, ...], value: Any, policy: Policy) -> int:
-    with _lock:
-        found = _token_of.get(key)
-        if found is None or _policy_of(_tokens[found]) is not policy:
-            found = _token_of[key] = len(_tokens)
-            _tokens[found] = value
+def _token(key: tuple[Any, ...], value: Any) -> int:
+    found = _token_of.get(key)
+    if found is None:
+        with _lock:
+            found = _token_of.get(key)
+            if found is None:
+                found = _token_of[key] = len(_tokens)
+                _tokens[found] = value
     return found
-
-
-def _policy_of(value: Any) -> Policy:
-    return value if isinstance(value, Policy) else value.policy
 
 
 def token_of(setting: _state.Setting | None) -> int:
     """The int that stands for ``setting`` in a graph (0: none)."""
     if setting is None:
         return 0
-    key = (setting.device_type, id(setting.policy), setting.emulate, setting.emulate_ops, setting.from_module)
-    return _token(key, setting, setting.policy)
+    return _token(setting.key, setting)
 
 
 @constant
@@ -83,7 +80,7 @@ def setting_token(setting: _state.Setting | None) -> int:
 def policy_token(policy: Policy) -> int:
     """The int that stands for a module policy in a graph (``push_module``)."""
     policy = _compat.passed(policy)
-    return _token(("module policy", id(policy)), policy, policy)
+    return _token(("module policy", policy), policy)
 
 
 def push(token: int) -> None:
@@ -179,7 +176,7 @@ def plan(
         policy = _tables.default_policy(device_type)
     emulate = _compute.emulates(compute, device_type, fast)
     setting = _state.Setting(device_type, policy, emulate, _compute.emulated_ops(compute, device_type, fast))
-    if _state.KERNELS in _state.holders:  # what the region is depends on the state around the frame
+    if _state.kernels_registered:  # what the region is depends on the state around the frame
         _guard.guard_trace()
     installed = None if _install.current is None else _install.current.setting_for(device_type, fast)
     around = (state.active.get(device_type), installed)

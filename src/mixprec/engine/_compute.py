@@ -155,6 +155,12 @@ def _max_isa() -> str:
     return os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA", "")
 
 
+def clear_probes() -> None:
+    """Probe the CPU again on next use (``mixprec.engine.reset``)."""
+    _cpu_support.cache_clear()
+    _max_isa.cache_clear()
+
+
 def _cpu(dtype: torch.dtype) -> KernelSupport:
     return _cpu_support(dtype, _max_isa())
 

@@ -23,6 +23,7 @@ releases it was checked on.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import types
@@ -33,21 +34,46 @@ import torch
 
 from mixprec import _compat, _errors
 from mixprec.engine import _installation as _install
-from mixprec.engine import _state, _tables
+from mixprec.engine import _memo, _state, _tables
+from mixprec.policies import Policy
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # mixprec/, not engine/
 _DYNAMO = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep + "_dynamo" + os.sep
 
 
 def entry_key() -> tuple[Any, ...]:
-    """This thread's mixprec state as a comparable value: the installation, the settings per device and the
-    module policies (ids; the guard keeps the objects alive)."""
+    """This thread's mixprec state as a value compared by content: the installation, the settings per device and
+    the module policies."""
     state = _state.get()
     return (
         _install.key(),
         tuple(sorted((device, setting.key) for device, setting in state.active.items())),
-        tuple(id(policy) for policy in state.module_policies),
+        tuple(state.module_policies),
     )
+
+
+_fingerprints: _memo.Memo[Policy, str] = _memo.Memo(256, "policy fingerprints")
+
+
+def fingerprint(policy: Policy) -> str:
+    """A digest of what ``policy`` holds, the same in every process (``hash`` is not: str hashes are salted)."""
+    found = _fingerprints.get(policy)
+    if found is None:
+        text = repr((policy.name, policy.base, sorted((op, c.value) for op, c in policy.table.items())))
+        found = _fingerprints.put(policy, hashlib.sha256(text.encode()).hexdigest()[:16])
+    return found
+
+
+def _stable(value: Any) -> Any:
+    """``value`` with every policy as its fingerprint and every set sorted: a repr that is the same in every
+    process, for inductor's cache key (an on-disk cache shared between processes)."""
+    if isinstance(value, Policy):
+        return fingerprint(value)
+    if isinstance(value, (tuple, list)):
+        return tuple(_stable(v) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(map(str, value)))
+    return value
 
 
 # ---------------------------------------------------------------- the first contact of a trace with mixprec
@@ -173,12 +199,9 @@ def guard_trace() -> None:
     setattr(context, "_mixprec_guarded", True)  # noqa: B010 - a private mark on torch's object
     key = getattr(context, "_mixprec_entry")  # noqa: B009 - set by contact above
     state = _state.get()
-    alive = (list(state.active.values()), list(state.module_policies))  # keeps the ids in key valid
     described = ", ".join(f"{d}: {s.policy.name}" for d, s in state.active.items()) or "none"
-    _compat.add_global_guard(
-        context, lambda: entry_key() == key and alive is not None, f"mixprec settings == ({described})"
-    )
-    _compat.key_inductor(key)
+    _compat.add_global_guard(context, lambda: entry_key() == key, f"mixprec settings == ({described})")
+    _compat.key_inductor(_stable(key))
 
 
 # ---------------------------------------------------------------- export

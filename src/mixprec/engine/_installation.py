@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
 
 import torch
 
@@ -118,6 +117,7 @@ def policy() -> Policy | None:
     return None if installation is None else installation.policy
 
 
-def key() -> Any:
-    """The installation, for guards on compiled code (None when nothing is installed)."""
-    return None if current is None else id(current)
+def key() -> tuple[Policy | None, str] | None:
+    """What is installed, as a value for guards on compiled code (None when nothing is installed)."""
+    installation = current
+    return None if installation is None else (installation.policy, installation.compute)

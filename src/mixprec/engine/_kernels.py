@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from mixprec import _compat, _errors
-from mixprec.engine import _cast, _guard, _recompute, _rules, _state, _tables
+from mixprec.engine import _cast, _guard, _memo, _recompute, _rules, _state, _tables
 from mixprec.engine import _installation as _install
 from mixprec.policies import Category, Policy
 
@@ -41,7 +41,8 @@ _NUMBERS = (bool, int, float, complex)
 _lock = threading.Lock()
 _libraries: dict[str, torch.library.Library] = {}  # namespace -> the Library holding mixprec's kernels
 _registered: dict[str, set[Op]] = {}  # autocast key -> overloads with a mixprec kernel
-_ensured: dict[tuple[str, int, bool, frozenset[str], bool], Policy] = {}
+#: Setting key -> the generation under which ``ensure`` registered what it needs.
+_ensured: _memo.Memo[tuple[Any, ...], object] = _memo.Memo(1024, "kernels ensured")
 #: Replaced by ``reset``: a region that ensured its kernels under this generation need not check again.
 generation = object()
 _reset_pending = False  # kernels were registered while a trace ran: dynamo's caches are to be reset
@@ -69,12 +70,12 @@ def ensure(setting: _state.Setting) -> None:
     if _reset_pending and not _compat.tracing():
         _reset_pending = False
         _compat.reset_dynamo()  # kernels registered while tracing: graphs compiled before them carry no guard
-    if _ensured.get(setting.key) is setting.policy:
-        object.__setattr__(setting, "ready", generation)  # a frozen dataclass: the one mutable mark
+    if _ensured.get(setting.key) is generation:
+        setting.derived["ready"] = generation
         return
     _tables.check_native(setting.device_type)
     key = _tables.autocast_key(setting.device_type)
-    native_only = key is None and setting.policy is _tables.default_policy(setting.device_type) and not setting.emulate
+    native_only = key is None and setting.policy == _tables.default_policy(setting.device_type) and not setting.emulate
     ops = frozenset() if native_only else needed(setting)  # without a key, torch's (or the backend's) kernels run
     if ops:
         if key is None:
@@ -88,10 +89,8 @@ def ensure(setting: _state.Setting) -> None:
                 )
             )
         register(key, setting.device_type, ops)
-    if len(_ensured) > 1024:
-        _ensured.clear()
-    _ensured[setting.key] = setting.policy
-    object.__setattr__(setting, "ready", generation)
+    _ensured.put(setting.key, generation)
+    setting.derived["ready"] = generation
 
 
 def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
@@ -113,7 +112,7 @@ def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
             done.add(op)
             grew = True
         if grew:
-            _state.holders.add(_state.KERNELS)  # regions of the default policy must set their setting now
+            _state.set_kernels_registered(True)  # regions of the default policy must set their setting now
             _cast.follow_torch(True)  # the kernels cache as torch does in plain regions: clear with torch
     if grew and _compat.dynamo_loaded():
         # Graphs compiled before saw no kernel for these ops and carry no guard on mixprec's settings. While a
@@ -136,12 +135,13 @@ def reset() -> None:
         _libraries.clear()
         _registered.clear()
         _ensured.clear()
-        _state.holders.discard(_state.KERNELS)
+        _state.set_kernels_registered(False)
         _cast.follow_torch(False)
 
 
-_compiled: dict[tuple[str, int, bool, frozenset[str], bool], tuple[Policy, dict[Op, Entry]]] = {}
-_native: dict[str, dict[Op, Entry]] = {}
+#: Setting key -> ``{overload: (rule, emulate)}``; device type -> the same for torch's native table.
+_compiled: _memo.Memo[tuple[Any, ...], dict[Op, Entry]] = _memo.Memo(256, "kernel entries")
+_native: _memo.Memo[str, dict[Op, Entry]] = _memo.Memo(16, "native kernel entries")
 
 
 def rule_for(policy: Policy, op: Op, category: Category) -> _rules.Rule:
@@ -169,16 +169,12 @@ def _banned_name(policy: Policy, op: Op) -> str:
 
 
 def entries(setting: _state.Setting) -> dict[Op, Entry]:
-    """``{overload: (rule, emulate)}`` for a setting (memoized per setting)."""
-    hit = _compiled.get(setting.key)
-    if hit is not None and hit[0] is setting.policy:
-        return hit[1]
-    table, _ = _tables.effective(setting.policy, setting.device_type)
-    found = _entries(setting.policy, table, setting)
-    if len(_compiled) > 256:
-        _compiled.clear()
-    _compiled[setting.key] = (setting.policy, found)
-    setting.__dict__["entries"] = found  # the kernels' fast path (a Setting is immutable otherwise)
+    """``{overload: (rule, emulate)}`` for a setting (memoized by the setting's content)."""
+    found = _compiled.get(setting.key)
+    if found is None:
+        table, _ = _tables.effective(setting.policy, setting.device_type)
+        found = _compiled.put(setting.key, _entries(setting.policy, table, setting))
+    setting.derived["entries"] = found  # the kernels' fast path
     return found
 
 
@@ -187,7 +183,7 @@ def native_entries(device_type: str) -> dict[Op, Entry]:
     found = _native.get(device_type)
     if found is None:
         policy = _tables.default_policy(device_type)
-        found = _native[device_type] = _entries(policy, _tables.native(device_type), None)
+        found = _native.put(device_type, _entries(policy, _tables.native(device_type), None))
     return found
 
 
@@ -224,7 +220,7 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
         # region, or the installation, is gone.
         if in_checkpointed_forward():
             _recompute.record(setting)
-        return _call(setting.__dict__.get("entries") or entries(setting), keyset, args, kwargs)
+        return _call(setting.derived.get("entries") or entries(setting), keyset, args, kwargs)
 
     def _call(table: dict[Op, Entry], keyset: Any, args: Any, kwargs: Any) -> Any:
         entry = table.get(op)

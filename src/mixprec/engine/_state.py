@@ -17,11 +17,11 @@ opens in a thread with no mixprec levels sets torch's state only, exactly as
 from __future__ import annotations
 
 import dataclasses
-import functools
 import threading
 from typing import Any
 
 from mixprec import _compat
+from mixprec.engine import _memo
 from mixprec.policies import Policy
 
 
@@ -34,15 +34,17 @@ class Setting:
     emulate: bool = False  # every lower_precision_fp op computes emulated
     emulate_ops: frozenset[str] = frozenset()  # these overloads too, under native compute (compute="auto")
     from_module: bool = False  # set by set_module_policy's hook (which runs again in a checkpoint's recompute)
-    #: Not a field: ``_kernels.generation`` once ``_kernels.ensure`` registered what this setting needs.
-    ready = None
+    #: The setting's content, hashable: caches key a setting by it (an equal setting made later shares them).
+    key: tuple[str, Policy, bool, frozenset[str], bool] = dataclasses.field(init=False, repr=False)
+    #: What the engine derived for this setting, filled in by ``_kernels`` (``"ready"``: the kernel generation
+    #: that ``ensure`` registered its kernels under; ``"entries"``: ``{overload: (rule, emulate)}``). A dict
+    #: the frozen setting holds, not a field it changes.
+    derived: dict[str, Any] = dataclasses.field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
+        key = (self.device_type, self.policy, self.emulate, self.emulate_ops, self.from_module)
+        object.__setattr__(self, "key", key)  # (a frozen dataclass sets its derived fields so)
         _compat.share(self)  # findable from compiled code on releases whose dynamo cannot pass it
-
-    @functools.cached_property
-    def key(self) -> tuple[str, int, bool, frozenset[str], bool]:
-        return (self.device_type, id(self.policy), self.emulate, self.emulate_ops, self.from_module)
 
 
 def module_setting(device_type: str, policy: Policy, around: Setting | None) -> Setting:
@@ -53,17 +55,15 @@ def module_setting(device_type: str, policy: Policy, around: Setting | None) -> 
     return dataclasses.replace(around, policy=policy, from_module=True)
 
 
-_settings: dict[tuple[str, int, bool, frozenset[str]], Setting] = {}
+_settings: _memo.Memo[tuple[str, Policy, bool, frozenset[str]], Setting] = _memo.Memo(256, "settings")
 
 
 def make_setting(device_type: str, policy: Policy, emulate: bool, emulate_ops: frozenset[str]) -> Setting:
-    """The one ``Setting`` for these values (memoized: regions are entered once per step)."""
-    key = (device_type, id(policy), emulate, emulate_ops)
+    """The one ``Setting`` for these values (memoized by content: regions are entered once per step)."""
+    key = (device_type, policy, emulate, emulate_ops)
     found = _settings.get(key)
-    if found is None or found.policy is not policy:
-        if len(_settings) > 256:
-            _settings.clear()
-        found = _settings[key] = Setting(device_type, policy, emulate, emulate_ops)
+    if found is None:
+        found = _settings.put(key, Setting(device_type, policy, emulate, emulate_ops))
     return found
 
 
@@ -73,11 +73,17 @@ def make_setting(device_type: str, policy: Policy, emulate: bool, emulate_ops: f
 Frame = tuple[str, bool, "Setting | None", Any]
 
 
-#: What a region of the default policy must not bypass: the ident of each thread with open levels, settings
-#: or module policies (a thread is released when it has none), and ``KERNELS`` while mixprec has kernels
-#: registered (``_kernels``: they read the settings).
-holders: set[object] = set()
-KERNELS = "mixprec kernels at the Autocast keys"
+#: The ident of each thread with open levels, settings or module policies (a thread is released when it has
+#: none). With ``kernels_registered``, what a region of the default policy must not bypass.
+holders: set[int] = set()
+#: Whether mixprec has kernels at an Autocast key (``_kernels``): they read the settings, so every region must
+#: set its own then.
+kernels_registered = False
+
+
+def set_kernels_registered(registered: bool) -> None:
+    global kernels_registered
+    kernels_registered = registered
 
 
 class ThreadState(threading.local):

@@ -23,7 +23,7 @@ import functools
 import torch
 
 from mixprec import _compat, _errors
-from mixprec.engine import _devices
+from mixprec.engine import _devices, _memo
 from mixprec.policies import Category, Policy
 
 Op = torch._ops.OpOverload
@@ -106,15 +106,16 @@ def native(device_type: str) -> dict[Op, Category]:
     return {op: c for op, c in _categories_of_default(device_type).items() if qualified(op) in registered}
 
 
-_by_policy: dict[tuple[str, int], tuple[Policy, dict[Op, Category], frozenset[Op]]] = {}
+#: (device type, policy) -> ``effective``'s answer (a policy's content is its key: an equal policy shares it).
+_by_policy: _memo.Memo[tuple[str, Policy], tuple[dict[Op, Category], frozenset[Op]]] = _memo.Memo(256, "tables")
 
 
 def effective(policy: Policy, device_type: str) -> tuple[dict[Op, Category], frozenset[Op]]:
     """``(categories, changed)``: the category of each overload under ``policy`` on the device, and
     the overloads where that differs from torch's native autocast there (they need mixprec kernels)."""
-    hit = _by_policy.get((device_type, id(policy)))
-    if hit is not None and hit[0] is policy:
-        return hit[1], hit[2]
+    hit = _by_policy.get((device_type, policy))
+    if hit is not None:
+        return hit
     reference = _reference_device(policy, device_type)
     mine = categories(policy)
     base = _categories_of_default(reference)
@@ -128,10 +129,7 @@ def effective(policy: Policy, device_type: str) -> tuple[dict[Op, Category], fro
                 out[op] = category
     here = native(device_type)
     changed = frozenset(op for op in out.keys() | here.keys() if out.get(op) is not here.get(op))
-    if len(_by_policy) > 256:
-        _by_policy.clear()
-    _by_policy[(device_type, id(policy))] = (policy, out, changed)
-    return out, changed
+    return _by_policy.put((device_type, policy), (out, changed))
 
 
 def _reference_device(policy: Policy, device_type: str) -> str:

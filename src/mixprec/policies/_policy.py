@@ -46,9 +46,20 @@ class Policy:
     name: str
     table: Mapping[str, Category]
     base: str | None = None
+    #: What the policy holds, as one hashable value: policies compare and hash by content, so that caches
+    #: keyed by a policy serve an equal one made later (set once, by ``__post_init__``).
+    content: tuple[str, str | None, frozenset[tuple[str, Category]]] = dataclasses.field(
+        init=False, repr=False, compare=False
+    )
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_fields(self.name, self.table, self.base)
+        # A private copy, so that the caller's mapping cannot change the policy after the fact.
+        object.__setattr__(self, "table", types.MappingProxyType(dict(self.table)))
+        content = (self.name, self.base, frozenset(self.table.items()))
+        object.__setattr__(self, "content", content)  # (a frozen dataclass sets its derived fields so)
+        object.__setattr__(self, "_hash", hash(content))
         _compat.share(self)  # findable from compiled code on releases whose dynamo cannot pass it
 
     @classmethod
@@ -233,10 +244,10 @@ class Policy:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Policy):
             return NotImplemented
-        return (self.name, self.base, dict(self.table)) == (other.name, other.base, dict(other.table))
+        return self is other or (self._hash == other._hash and self.content == other.content)
 
     def __hash__(self) -> int:
-        return hash((self.name, self.base, frozenset(self.table.items())))
+        return self._hash
 
     def __repr__(self) -> str:
         counts = ",".join(
