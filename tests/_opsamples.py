@@ -170,8 +170,12 @@ def samples(name: str, dtype: torch.dtype) -> tuple[tuple[tuple[Any, ...], dict[
     for info in _opinfos().get(name, []):
         if dtype not in info.supported_dtypes("cpu"):
             continue
+        # The OpInfo's own generator, closed below: ``info.sample_inputs`` wraps it in an iterator whose
+        # reference cycle keeps it suspended until a garbage collection, which then runs its no_grad exit at
+        # any later moment (inside a make_fx trace, it records torch.set_grad_enabled calls).
+        generated = iter(info.sample_inputs_func(info, "cpu", dtype, False))
         try:
-            for sample in info.sample_inputs("cpu", dtype, requires_grad=False):
+            for sample in generated:
                 args, kwargs = (sample.input, *sample.args), dict(sample.kwargs)
                 if _runs(name, args, kwargs):
                     found.append((args, kwargs))
@@ -179,6 +183,8 @@ def samples(name: str, dtype: torch.dtype) -> tuple[tuple[tuple[Any, ...], dict[
                     return tuple(found)
         except Exception:
             continue
+        finally:
+            getattr(generated, "close", lambda: None)()
     if not found and name in HAND:
         args, kwargs = HAND[name]()
         args, kwargs = _convert(args, dtype), _convert(kwargs, dtype)

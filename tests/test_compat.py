@@ -124,7 +124,7 @@ def test_the_default_table_names_the_ops_this_release_autocasts(device_type):
 def test_a_region_on_this_release_gives_no_mixprec_warning():
     done = _python(
         "import torch, mixprec\n"
-        "from mixprec import _tables\n"
+        "from mixprec.engine import _tables\n"
         "with mixprec.autocast('cpu', compute='native'):\n"
         "    torch.mm(torch.randn(2, 2), torch.randn(2, 2))\n"
         "with mixprec.autocast('cpu', policy=mixprec.policies.CPU.with_ops(fp32=['mm'])):\n"

@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree
 
 from mixprec import _autocast, _errors, _explain_run
-from mixprec.engine import _devices, _kernels, _tables
+from mixprec.engine import _devices, _kernels, _plan, _tables
 from mixprec.policies import Category, Policy, _names, _serial
 
 _float32 = torch.float32
@@ -266,39 +266,25 @@ def _entries(name: str) -> list[str]:
     return [name] if op is None else [name, op]
 
 
-def _eligible(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point and dtype is not torch.float64
-
-
 def _run(
     category: Category | None, dtype: torch.dtype, inputs: tuple[torch.dtype, ...], policy: Policy, entry: str | None
 ) -> tuple[tuple[torch.dtype, ...], torch.dtype | None, str | None]:
-    """(input dtypes after the casts, the dtype the op runs in or None, the error text or None)."""
-    to: torch.dtype | None = None
-    if category is Category.LOWER_PRECISION_FP:
-        to = dtype
-    elif category is Category.FP32:
-        to = _float32
-    elif category in (Category.FP32_SET_OPT_DTYPE, Category.FP32_APPEND_DTYPE):
-        if _eligible(inputs[0]):
-            return inputs, _float32, None
-    elif category is Category.PROMOTE:
-        to = _promote(dtype, inputs)
-        if to is None:
-            return inputs, None, f"autocast promote: inputs mix dtypes other than float32 and {dtype}"
-    elif category is Category.BANNED and any(_eligible(d) for d in inputs):
-        return inputs, None, policy.advice(entry or "")
-    cast = tuple(to if to is not None and _eligible(d) else d for d in inputs)
+    """(input dtypes after the casts, the dtype the op runs in or None, the error text or None): the engine's
+    cast plan on dtypes alone, for an op explain cannot call."""
+    eligible = _plan.eligible_dtype
+    plan = _plan.plan(
+        category,
+        dtype,
+        (d for d in inputs if eligible(d)),
+        first_eligible=eligible(inputs[0]),
+        advice=policy.advice(entry or "") if category is Category.BANNED else "",
+    )
+    if plan.error is not None:
+        return inputs, None, plan.error
+    if plan.dtype_arg is not None:
+        return inputs, plan.dtype_arg, None
+    cast = tuple(plan.cast_to if plan.cast_to is not None and eligible(d) else d for d in inputs)
     return cast, functools.reduce(torch.promote_types, cast), None
-
-
-def _promote(dtype: torch.dtype, inputs: tuple[torch.dtype, ...]) -> torch.dtype | None:
-    """As ``_rules.promote_dtype``: float32 at the first float32, an error at another dtype first."""
-    for d in inputs:
-        if not _eligible(d) or d is dtype:
-            continue
-        return _float32 if d is _float32 else None
-    return dtype
 
 
 def _source(policy: Policy, entry: str) -> str:

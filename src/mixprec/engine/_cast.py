@@ -33,11 +33,11 @@ from typing import Any
 import torch
 
 from mixprec import _compat
-from mixprec.engine import _state
+from mixprec.engine import _plan, _state
 
 _Tensor = torch.Tensor
 _float32 = torch.float32
-_float64 = torch.float64
+_eligible = _plan.eligible_tensor
 
 CacheEntry = tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]
 Cache = dict[tuple[int, torch.dtype], CacheEntry]
@@ -86,11 +86,7 @@ def thread_cache() -> Cache:
     return cache
 
 
-def is_eligible(t: torch.Tensor, device_type: str) -> bool:
-    """Whether autocast may cast ``t`` on ``device_type``."""
-    if not t.is_floating_point() or t.dtype is _float64:
-        return False
-    return t.is_cpu if device_type == "cpu" else t.device.type == device_type
+is_eligible = _plan.eligible_tensor  # whether autocast may cast a tensor in a region on a device type
 
 
 # ``t.bfloat16()`` is ``t.to(torch.bfloat16)`` (the same ``_to_copy``, the same autograd node)
@@ -109,9 +105,7 @@ def cast_tensor(
 ) -> torch.Tensor:
     """Cast one tensor if eligible; weights (fp32 leaves requiring grad) go through the cache."""
     source = t.dtype
-    if source is dtype or source is _float64 or not t.is_floating_point():
-        return t
-    if not (t.is_cpu if device_type == "cpu" else t.device.type == device_type):
+    if source is dtype or not _eligible(t, device_type):
         return t
     if cache is _torch_cache and source is _float32 and t.requires_grad and t.is_leaf and not t._is_view():
         found = _torch_cache.get(id(t))

@@ -147,7 +147,7 @@ _native: _memo.Memo[str, dict[Op, Entry]] = _memo.Memo(16, "native kernel entrie
 def rule_for(policy: Policy, op: Op, category: Category) -> _rules.Rule:
     """The rule a kernel applies to ``op`` under ``policy`` (a banned op's carries the policy's advice)."""
     if category is Category.BANNED:
-        return _rules.banned(policy.advice(_banned_name(policy, op)))
+        return _rules.banned(policy.advice(_tables.entry_name(policy, op)))
     return _rules.RULES[category]
 
 
@@ -157,15 +157,6 @@ def _entries(policy: Policy, table: dict[Op, Category], setting: _state.Setting 
         emulate = setting is not None and category is _LOWER and _emulated(setting, op)
         out[op] = (rule_for(policy, op, category), emulate)
     return out
-
-
-def _banned_name(policy: Policy, op: Op) -> str:
-    overload = _tables.qualified(op)
-    packet = op.overloadpacket._qualified_op_name.removeprefix("aten::")
-    for name in (overload.removeprefix("aten::"), overload, packet):
-        if name in policy.table:
-            return name
-    return overload.removeprefix("aten::").split(".")[0]
 
 
 def entries(setting: _state.Setting) -> dict[Op, Entry]:

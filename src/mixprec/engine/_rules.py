@@ -1,18 +1,11 @@
-"""The cast categories as rules on ATen calls, as ATen's ``autocast_mode.h`` defines them.
+"""The cast categories as kernels' rules on ATen calls: each asks ``_plan`` what to do, then does it.
 
 A rule gets the op overload and its arguments as the dispatcher hands them to
-the Autocast key, casts, and calls the op with that key excluded (so the cast
-op's own autocast kernel does not run again, and composites below it are not
-autocast, as natively)::
-
-    lower_precision_fp   cast eligible tensors to the autocast dtype (weights through a cache, _cast)
-    fp32                 cast eligible tensors to float32
-    fp32_set_opt_dtype   if the first tensor is eligible and dtype is None: dtype=float32
-    fp32_append_dtype    if the first tensor is eligible: the sibling overload that adds dtype=float32
-    promote              cast eligible tensors to the widest eligible dtype (float32 over the autocast one)
-    banned               raise the policy's advice if an eligible tensor is among the inputs
-
-Eligible: a floating tensor on the autocast device that is not float64.
+the Autocast key, takes the call's ``_plan.CastPlan``, casts, and calls the op
+with that key excluded (so the cast op's own autocast kernel does not run
+again, and composites below it are not autocast, as natively). Weights cast
+to the lower-precision dtype go through the cast cache (``_cast``), and an
+emulated region computes ``lower_precision_fp`` ops through ``_emulate``.
 """
 
 from __future__ import annotations
@@ -22,34 +15,40 @@ from typing import Any
 
 import torch
 
-from mixprec import _errors
-from mixprec.engine import _cast, _emulate
+from mixprec.engine import _cast, _emulate, _plan
 from mixprec.policies import Category
 
-_float32 = torch.float32
+_LOWER, _FP32, _PROMOTE = Category.LOWER_PRECISION_FP, Category.FP32, Category.PROMOTE
+_SET_OPT, _APPEND = Category.FP32_SET_OPT_DTYPE, Category.FP32_APPEND_DTYPE
 _Tensor = torch.Tensor
+_eligible = _plan.eligible_tensor
 Op = Any  # torch._ops.OpOverload
 Rule = Callable[[Op, str, torch.dtype, bool, tuple[Any, ...], dict[str, Any]], Any]
 
 
+def _eligible_dtypes(device: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.dtype]:
+    return [t.dtype for t in _cast.iter_tensors(args, kwargs) if _eligible(t, device)]
+
+
+def _first_eligible(device: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, _Tensor):
+            return _eligible(value, device)
+    return False
+
+
 def lower_precision_fp(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-    cache = _cast.cache_for_call()
-    cast, cast_kwargs = _cast.cast_call(args, kwargs, dtype, device, cache)
+    to = _plan.plan(_LOWER, dtype).cast_to  # (this category's plan always casts)
+    cast, cast_kwargs = _cast.cast_call(args, kwargs, to, device, _cast.cache_for_call())  # type: ignore[arg-type]
     if emulate:
         return _emulate.call(dtype, op, cast, cast_kwargs, original=(args, kwargs))
     return op(*cast, **cast_kwargs)
 
 
 def fp32(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-    cast, cast_kwargs = _cast.cast_call(args, kwargs, _float32, device, None)
+    to = _plan.plan(_FP32, dtype).cast_to  # (this category's plan always casts)
+    cast, cast_kwargs = _cast.cast_call(args, kwargs, to, device, None)  # type: ignore[arg-type]
     return op(*cast, **cast_kwargs)
-
-
-def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, _Tensor):
-            return value
-    return None
 
 
 def _bind(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -60,25 +59,9 @@ def _bind(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, An
     return values
 
 
-def _call_bound(op: Op, values: dict[str, Any]) -> Any:
-    positional = [values.pop(a.name) for a in op._schema.arguments if not a.kwarg_only and a.name in values]
-    return op(*positional, **values)
-
-
-def fp32_set_opt_dtype(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-    first = _first_tensor(args, kwargs)
-    if not (isinstance(first, _Tensor) and _cast.is_eligible(first, device)):
-        return op(*args, **kwargs)
-    values = _bind(op, args, kwargs)
-    if "dtype" not in values:
-        return op(*args, **kwargs)
-    if values["dtype"] is None:
-        values["dtype"] = _float32
-    return _call_bound(op, values)
-
-
-def _with_dtype(op: Op) -> Op | None:
-    """The sibling overload that takes this one's arguments plus ``dtype`` (norm.Scalar -> norm.ScalarOpt_dtype)."""
+def with_dtype(op: Op) -> Op | None:
+    """The sibling overload that takes this one's arguments plus ``dtype`` (norm.Scalar -> norm.ScalarOpt_dtype),
+    or the op itself if it takes ``dtype``; None if there is none."""
     names = [a.name for a in op._schema.arguments]
     if "dtype" in names:
         return op
@@ -90,48 +73,53 @@ def _with_dtype(op: Op) -> Op | None:
     return None
 
 
-def fp32_append_dtype(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-    first = _first_tensor(args, kwargs)
-    target = _with_dtype(op)
-    if target is None or not (isinstance(first, _Tensor) and _cast.is_eligible(first, device)):
+def with_dtype_arg(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], plan: _plan.CastPlan) -> tuple[Any, ...]:
+    """``(overload, args, kwargs)``: the call with ``dtype=plan.dtype_arg``, on the overload itself (where a
+    dtype the call passes wins) or on the sibling that appends ``dtype``; the call as it is where no overload
+    takes one. The eager kernels call the result; the FX pass writes it into the graph."""
+    if plan.sibling:
+        target = with_dtype(op)
+        if target is None:
+            return op, args, kwargs
+        values = _bind(op, args, kwargs)
+    else:
+        target, values = op, _bind(op, args, kwargs)
+        if "dtype" not in values or values["dtype"] is not None:
+            return op, args, kwargs
+    values["dtype"] = plan.dtype_arg
+    positional = tuple(values.pop(a.name) for a in target._schema.arguments if not a.kwarg_only and a.name in values)
+    return target, positional, values
+
+
+def fp32_set_opt_dtype(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
+    plan = _plan.plan(_SET_OPT, dtype, first_eligible=_first_eligible(device, args, kwargs))
+    if plan.dtype_arg is None:
         return op(*args, **kwargs)
-    values = _bind(op, args, kwargs)
-    values["dtype"] = _float32
-    return _call_bound(target, values)
+    target, args, kwargs = with_dtype_arg(op, args, kwargs, plan)
+    return target(*args, **kwargs)
 
 
-def promote_dtype(device: str, dtype: torch.dtype, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.dtype:
-    """The widest eligible input dtype: float32 if any eligible input is float32 (ATen's ``prioritize``)."""
-    to = dtype
-    for t in _cast.iter_tensors(args, kwargs):
-        if not _cast.is_eligible(t, device):
-            continue
-        if t.dtype is _float32:
-            return _float32
-        if t.dtype is not dtype:
-            raise RuntimeError(
-                _errors.message(
-                    "autocast promote",
-                    f"inputs mix another lower-precision dtype with the autocast dtype {dtype}, and autocast "
-                    "promotes only between float32 and the autocast dtype",
-                    received={"dtype": t.dtype},
-                    expected=["float32", str(dtype).removeprefix("torch.")],
-                    fix="Cast the inputs to one dtype before the call.",
-                )
-            )
-    return to
+def fp32_append_dtype(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
+    plan = _plan.plan(_APPEND, dtype, first_eligible=_first_eligible(device, args, kwargs))
+    if plan.dtype_arg is None:
+        return op(*args, **kwargs)
+    target, args, kwargs = with_dtype_arg(op, args, kwargs, plan)
+    return target(*args, **kwargs)
 
 
 def promote(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-    to = promote_dtype(device, dtype, args, kwargs)
-    args, kwargs = _cast.cast_call(args, kwargs, to, device, None)
+    plan = _plan.plan(_PROMOTE, dtype, _eligible_dtypes(device, args, kwargs))
+    if plan.error is not None:
+        raise RuntimeError(plan.error)
+    args, kwargs = _cast.cast_call(args, kwargs, plan.cast_to, device, None)  # type: ignore[arg-type]
     return op(*args, **kwargs)
 
 
 def banned(advice: str) -> Rule:
     def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-        if any(_cast.is_eligible(t, device) for t in _cast.iter_tensors(args, kwargs)):
-            raise RuntimeError(advice)
+        plan = _plan.plan(Category.BANNED, dtype, _eligible_dtypes(device, args, kwargs), advice=advice)
+        if plan.error is not None:
+            raise RuntimeError(plan.error)
         return op(*args, **kwargs)
 
     return rule

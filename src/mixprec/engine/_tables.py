@@ -24,7 +24,7 @@ import torch
 
 from mixprec import _compat, _errors
 from mixprec.engine import _devices, _memo
-from mixprec.policies import Category, Policy
+from mixprec.policies import Category, Policy, _names
 
 Op = torch._ops.OpOverload
 
@@ -87,10 +87,21 @@ def overloads(name: str) -> tuple[Op, ...]:
 def categories(policy: Policy) -> dict[Op, Category]:
     """Every overload the policy's table reaches, with its category; an overload's own entry wins."""
     found: dict[Op, Category] = {}
-    for name, category in sorted(policy.table.items(), key=lambda item: "." in item[0]):
+    for name, category in sorted(policy.table.items(), key=_names.overloads_last):
         for op in overloads(name):
             found[op] = category
     return found
+
+
+def entry_name(policy: Policy, op: Op) -> str:
+    """The table entry that decides ``op``'s category: the overload's own (``"mm.default"``, ``"aten::mm.default"``)
+    before its op's (``"mm"``, ``"aten::mm"``), as ``categories`` applies them; the op's name if none does."""
+    overload = qualified(op)
+    packet = op.overloadpacket._qualified_op_name
+    for name in (overload.removeprefix("aten::"), overload, packet.removeprefix("aten::"), packet):
+        if name in policy.table:
+            return name
+    return overload.removeprefix("aten::").split(".")[0]
 
 
 @functools.cache

@@ -11,6 +11,9 @@ Algorithm::
             banned                    -> RuntimeError naming the user's source line
         copy the node; compute its fake value from its new inputs
 
+The category is the engine's for the node's overload (``_tables``: the device's
+effective table, as the eager kernels read it), and what it does is the
+engine's cast plan (``_plan``), on the nodes' fake values instead of tensors.
 Eligible tensors are as in eager autocast: floating point, not float64, on
 ``device_type`` (any device if None). Dtypes come from the fake values, so a
 cat of two bfloat16 tensors stays bfloat16: nothing is cast conservatively.
@@ -24,11 +27,12 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from mixprec import _errors
-from mixprec.engine import _devices
-from mixprec.graph._casts import Casts, dtype_of, is_cast
+from mixprec import _compat, _errors
+from mixprec.engine import _devices, _plan, _rules, _tables
+from mixprec.graph._casts import Casts, is_cast
 from mixprec.policies import Category, Policy
 
 _float32 = torch.float32
@@ -92,82 +96,125 @@ def apply_policy(
 class _Rewrite:
     def __init__(self, policy: Policy, dtype: torch.dtype, device_type: str | None, casts: Casts) -> None:
         self.policy, self.dtype, self.device_type, self.casts = policy, dtype, device_type, casts
+        # The engine's table of overloads, as the eager kernels read it: the device's effective table (what
+        # runs there under this policy, torch's own kernels included), or the policy's own for any device.
+        if device_type is not None and _tables.autocast_key(device_type) is not None:
+            self.table = _tables.effective(policy, device_type)[0]
+        else:
+            self.table = _tables.categories(policy)
 
     def eligible(self, value: Any) -> bool:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None
-        return (
-            isinstance(val, torch.Tensor)
-            and val.is_floating_point()
-            and val.dtype is not torch.float64
-            and (self.device_type is None or val.device.type == self.device_type)
-        )
+        return isinstance(val, torch.Tensor) and _plan.eligible(val.dtype, val.device.type, self.device_type)
 
     def cast_all(self, tree: Any, dtype: torch.dtype) -> Any:
         return pytree.tree_map_only(fx.Node, lambda n: self.casts.to(n, dtype) if self.eligible(n) else n, tree)
 
-    def call(self, node: fx.Node, inputs: tuple[tuple[Any, ...], dict[str, Any]]) -> fx.Node:
+    def call(self, node: fx.Node, inputs: tuple[tuple[Any, ...], dict[str, Any]], depth: int = 0) -> fx.Node:
         args, kwargs = inputs
         target: Any = node.target
-        category = self.policy.category(target)
-        explicit = kwargs.get("dtype") is not None or kwargs.get("out") is not None
-        tensors = [n for n in pytree.tree_leaves((args, kwargs)) if self.eligible(n)]
-        if category is not None and not explicit and tensors:
-            target, args, kwargs = self._apply(Category(category), node, target, args, kwargs, tensors)
+        category = self.table.get(target)
+        if category is None and depth < _DEPTH:
+            inlined = self._inline(node, target, args, kwargs, depth)
+            if inlined is not None:
+                return inlined
+        if category is not None:
+            target, args, kwargs = self._apply(category, node, target, args, kwargs)
         new = self.casts.graph.call_function(target, args, kwargs)
         new.meta = {**node.meta}
         new.meta["val"] = _fake_call(self.casts.fake_mode, target, args, kwargs, node)
         return new
 
-    def _apply(
-        self, category: Category, node: fx.Node, target: Any, args: Any, kwargs: Any, tensors: list[fx.Node]
-    ) -> Any:
-        if category is Category.LOWER_PRECISION_FP:
-            return target, *self.cast_all((args, kwargs), self.dtype)
-        if category is Category.FP32:
-            return target, *self.cast_all((args, kwargs), _float32)
-        if category is Category.PROMOTE:
-            return target, *self.cast_all((args, kwargs), _widest(tensors, node))
-        if category is Category.BANNED:
-            raise RuntimeError(f"{self.policy.advice(self.policy._banned_names[target])}{_where(node)}")
-        first = args[0] if args else None
-        if not (isinstance(first, fx.Node) and self.eligible(first)):
-            return target, args, kwargs
-        return _with_fp32_dtype(target, args, kwargs, node)
+    def _inline(self, node: fx.Node, target: Any, args: Any, kwargs: Any, depth: int) -> fx.Node | None:
+        """For an op with no category whose CompositeImplicitAutograd kernel reaches ops with one: its
+        decomposition, rewritten, as eager autocast meets those ops below the composite and casts them
+        (``conv1d.padding`` -> ``_convolution_mode``). None for any other op, which stays whole."""
+        sub = _decomposition(node, target, args, kwargs)
+        if sub is None or not self._reaches(sub, depth + 1):
+            return None
+        inputs = iter(n for n in pytree.tree_leaves((args, kwargs)) if isinstance(n, fx.Node))
+        env: dict[fx.Node, Any] = {}
+        for inner in sub.graph.nodes:
+            if inner.op == "placeholder":
+                env[inner] = next(inputs)
+            elif inner.op == "call_function":
+                inner.meta["stack_trace"] = node.meta.get("stack_trace")  # errors name the user's line
+                mapped = pytree.tree_map_only(fx.Node, env.__getitem__, (inner.args, inner.kwargs))
+                env[inner] = self.call(inner, mapped, depth + 1)
+            elif inner.op == "output":
+                return env[inner.args[0]]  # type: ignore[no-any-return]
+        return None
 
+    def _reaches(self, sub: fx.GraphModule, depth: int) -> bool:
+        """Whether a decomposition holds an op with a category, at most ``_DEPTH`` decompositions down."""
+        for inner in sub.graph.nodes:
+            if inner.op != "call_function" or not isinstance(inner.target, torch._ops.OpOverload):
+                continue
+            if self.table.get(inner.target) is not None:
+                return True
+            if depth < _DEPTH:
+                deeper = _decomposition(inner, inner.target, inner.args, inner.kwargs)
+                if deeper is not None and self._reaches(deeper, depth + 1):
+                    return True
+        return False
 
-def _widest(tensors: list[fx.Node], node: fx.Node) -> torch.dtype:
-    dtypes = {dtype_of(t) for t in tensors}
-    if _float32 in dtypes:
-        return _float32
-    if len(dtypes) > 1:
-        raise RuntimeError(
-            _errors.message(
-                "autocast promote",
-                "inputs mix lower-precision dtypes, and autocast promotes only between float32 and one "
-                "lower-precision dtype",
-                received={"dtypes": sorted(str(d) for d in dtypes)},
-                fix=f"Cast the inputs to one dtype before the call.{_where(node)}",
-            )
+    def _apply(self, category: Category, node: fx.Node, target: Any, args: Any, kwargs: Any) -> Any:
+        """The call as ``_plan`` says, on nodes: the same plan the eager kernels carry out on tensors."""
+        first = next((v for v in (*args, *kwargs.values()) if _is_tensor(v)), None)
+        plan = _plan.plan(
+            category,
+            self.dtype,
+            (n.meta["val"].dtype for n in pytree.tree_leaves((args, kwargs)) if self.eligible(n)),
+            first_eligible=first is not None and self.eligible(first),
+            advice=self.policy.advice(_tables.entry_name(self.policy, target)) if category is Category.BANNED else "",
         )
-    return dtypes.pop()  # type: ignore[return-value]
+        if plan.error is not None:
+            raise RuntimeError(f"{plan.error}{_where(node)}")
+        if plan.cast_to is not None:
+            return target, *self.cast_all((args, kwargs), plan.cast_to)
+        if plan.dtype_arg is not None:
+            return _rules.with_dtype_arg(target, args, kwargs, plan)
+        return target, args, kwargs
 
 
-def _with_fp32_dtype(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], node: fx.Node) -> Any:
-    """The overload that takes ``dtype`` (itself, or its sibling that appends it), called with float32."""
-    arguments = target._schema.arguments
-    names = [a.name for a in arguments]
-    values = {**dict(zip(names, args, strict=False)), **kwargs}
-    values.update((a.name, a.default_value) for a in arguments if a.name not in values and a.has_default_value())
-    if "dtype" not in names:
-        packet = target.overloadpacket
-        siblings = (getattr(packet, o) for o in packet.overloads())
-        found = next((o for o in siblings if [a.name for a in o._schema.arguments] == [*names, "dtype"]), None)
-        if found is None:
-            raise RuntimeError(f"autocast: {packet} has no overload that takes dtype to run in float32.{_where(node)}")
-        target = found
-    values["dtype"] = _float32
-    positional = tuple(values.pop(a.name) for a in target._schema.arguments if not a.kwarg_only)
-    return target, positional, values
+#: How many CompositeImplicitAutograd decompositions deep the pass follows an op with no category.
+_DEPTH = 3
+
+
+def _decomposition(node: fx.Node, target: Any, args: Any, kwargs: Any) -> fx.GraphModule | None:
+    """The graph of ``target``'s CompositeImplicitAutograd kernel on the node's inputs (traced on their fake
+    values), or None: no such kernel, more than one output, constants of its own, or not traceable."""
+    if not isinstance(target, torch._ops.OpOverload) or not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    if not _compat.has_kernel(_tables.qualified(target), "CompositeImplicitAutograd"):
+        return None
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    where = [i for i, v in enumerate(leaves) if isinstance(v, fx.Node)]
+    vals = [leaves[i].meta.get("val") for i in where]
+    if not all(isinstance(v, torch.Tensor) for v in vals):
+        return None
+
+    def decomposed(*tensors: Any) -> Any:
+        values = list(leaves)
+        for i, tensor in zip(where, tensors, strict=True):
+            values[i] = tensor
+        a, k = pytree.tree_unflatten(values, spec)
+        return _compat.call_at_key(target, "CompositeImplicitAutograd", a, k)
+
+    try:
+        sub = make_fx(decomposed, pre_dispatch=True, tracing_mode="fake")(*vals)
+    except Exception:  # a decomposition fake tensors cannot run: the op stays whole
+        return None
+    if any(n.op == "get_attr" for n in sub.graph.nodes):
+        return None
+    outputs = [n for n in sub.graph.nodes if n.op == "output"]
+    if len(outputs) != 1 or not isinstance(outputs[0].args[0], fx.Node):
+        return None
+    return sub
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
 
 
 def _fake_call(fake_mode: Any, target: Callable[..., Any], args: Any, kwargs: Any, node: fx.Node) -> Any:

@@ -27,6 +27,7 @@ import functools
 import inspect
 import types
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -196,3 +197,10 @@ def check_dtype_category(category: str, names: list[str]) -> None:
                     fix="To run the op in float32, use the fp32 category, which casts its inputs.",
                 )
             )
+
+
+def overloads_last(item: tuple[str, Any]) -> bool:
+    """Sort key over ``(name, category)`` table items: an overload's entry (``"mm.out"``) comes after its op's
+    (``"mm"``), so that applied in order, the overload's own entry wins. The one place this rule lives: the
+    policy's callable lookup and the engine's overload tables both sort by it."""
+    return "." in item[0]

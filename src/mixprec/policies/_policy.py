@@ -218,7 +218,7 @@ class Policy:
     @functools.cached_property
     def _by_callable(self) -> Mapping[Callable[..., object], Category]:
         found: dict[Callable[..., object], Category] = {}
-        for op, category in sorted(self.table.items(), key=_overloads_last):
+        for op, category in sorted(self.table.items(), key=_names.overloads_last):
             for func in _resolve.callables(op):
                 found[func] = category
         return found
@@ -227,7 +227,7 @@ class Policy:
     def _banned_names(self) -> Mapping[Callable[..., object], str]:
         return {
             func: op
-            for op, category in sorted(self.table.items(), key=_overloads_last)
+            for op, category in sorted(self.table.items(), key=_names.overloads_last)
             if category is Category.BANNED
             for func in _resolve.callables(op)
         }
@@ -293,8 +293,3 @@ def _rebuild(name: str, table: dict[str, Category], base: str | None) -> Policy:
 
 def _value(category: Category | None) -> str | None:
     return None if category is None else category.value
-
-
-def _overloads_last(item: tuple[str, Category]) -> bool:
-    """Sort key: an overload's entry is applied after its op's, so that it wins."""
-    return "." in item[0]

@@ -1,0 +1,138 @@
+"""What each category does to an op's arguments, written once: eligibility and the cast plan.
+
+Every consumer decides through this module and only executes the answer:
+
+* the eager kernels (``_rules``), on the tensors the dispatcher hands them;
+* the FX pass (``mixprec.graph.apply_policy``), on the fake values its nodes carry;
+* ``mixprec.explain``, on the dtypes it is asked about;
+* the tests' reference interpreter, which derives the same from ATen's ``autocast_mode.h`` independently and
+  is compared with mixprec op by op (``tests/reference.py``).
+
+Rules, as ATen's ``autocast_mode.h`` defines them::
+
+    eligible(tensor)     floating, not float64, on the region's device
+    lower_precision_fp   cast eligible tensors to the region's dtype
+    fp32                 cast eligible tensors to float32
+    fp32_set_opt_dtype   if the first tensor argument is eligible: dtype=float32 (unless the call passes one)
+    fp32_append_dtype    if the first tensor argument is eligible: the sibling overload that adds dtype=float32
+    promote              cast eligible tensors to the widest eligible dtype: float32 if any is float32, else
+                         the region's dtype; another low-precision dtype among them is an error
+    banned               an error (the policy's advice) if any tensor argument is eligible
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+
+import torch
+
+from mixprec import _errors
+from mixprec.policies import Category
+
+_float32 = torch.float32
+_float64 = torch.float64
+
+
+@dataclasses.dataclass(frozen=True)
+class CastPlan:
+    """What a call becomes under a category: its eligible tensors cast to ``cast_to`` (None: left as they are),
+    ``dtype=dtype_arg`` passed (None: not), through the sibling overload that takes ``dtype`` if ``sibling``;
+    or, if ``error`` is set, a RuntimeError with that text instead of the call."""
+
+    cast_to: torch.dtype | None = None
+    dtype_arg: torch.dtype | None = None
+    sibling: bool = False
+    error: str | None = None
+
+
+#: The call as it is (no category, or a conditional category whose condition does not hold).
+AS_IS = CastPlan()
+_FP32_DTYPE = CastPlan(dtype_arg=_float32)
+_FP32_APPEND = CastPlan(dtype_arg=_float32, sibling=True)
+_TO: dict[torch.dtype, CastPlan] = {}
+
+
+def eligible_dtype(dtype: torch.dtype) -> bool:
+    """Whether autocast may cast a tensor of ``dtype`` (on the region's device): floating and not float64."""
+    return dtype.is_floating_point and dtype is not _float64
+
+
+def eligible_tensor(t: torch.Tensor, device_type: str) -> bool:
+    """``eligible`` for a tensor (the kernels' hot path: ``is_cpu`` is cheaper than ``device.type``)."""
+    dtype = t.dtype
+    if not dtype.is_floating_point or dtype is _float64:
+        return False
+    return t.is_cpu if device_type == "cpu" else t.device.type == device_type
+
+
+def eligible(dtype: torch.dtype, on: str, device_type: str | None) -> bool:
+    """Whether autocast may cast a tensor of ``dtype`` on device type ``on`` in a region on ``device_type``
+    (None: any device, as a device-agnostic graph pass asks)."""
+    return dtype.is_floating_point and dtype is not _float64 and (device_type is None or on == device_type)
+
+
+def cast_to(dtype: torch.dtype) -> CastPlan:
+    """The plan that casts every eligible tensor to ``dtype`` (one object per dtype)."""
+    found = _TO.get(dtype)
+    if found is None:
+        found = _TO[dtype] = CastPlan(cast_to=dtype)
+    return found
+
+
+def plan(
+    category: Category | None,
+    region_dtype: torch.dtype,
+    eligible_dtypes: Iterable[torch.dtype] = (),
+    first_eligible: bool = False,
+    advice: str = "",
+) -> CastPlan:
+    """The cast plan of a call under ``category`` in a region of ``region_dtype``.
+
+    Args:
+        category: The op's category under the policy in force, or None (not autocast).
+        region_dtype: The region's lower-precision dtype.
+        eligible_dtypes: The dtypes of the call's eligible tensor arguments, in argument order (read by
+            ``promote`` and ``banned`` only, so it may be a lazy iterable).
+        first_eligible: Whether the call's first tensor argument is eligible (read by the ``fp32_*_dtype``
+            categories only).
+        advice: The text a ``banned`` op raises (``Policy.advice``).
+    """
+    decide = _DECIDE.get(category)  # type: ignore[arg-type]
+    return AS_IS if decide is None else decide(region_dtype, eligible_dtypes, first_eligible, advice)
+
+
+def _promote(region_dtype: torch.dtype, eligible_dtypes: Iterable[torch.dtype]) -> CastPlan:
+    """float32 at the first float32 input, an error at the first other dtype that is not the region's
+    (ATen's ``promote_type``, which meets the inputs in order)."""
+    for dtype in eligible_dtypes:
+        if dtype is _float32:
+            return cast_to(_float32)
+        if dtype is not region_dtype:
+            return CastPlan(
+                error=_errors.message(
+                    "autocast promote",
+                    f"inputs mix another lower-precision dtype with the autocast dtype {region_dtype}, and "
+                    "autocast promotes only between float32 and the autocast dtype",
+                    received={"dtype": dtype},
+                    expected=["float32", str(region_dtype).removeprefix("torch.")],
+                    fix="Cast the inputs to one dtype before the call.",
+                )
+            )
+    return cast_to(region_dtype)
+
+
+def _banned(region_dtype: torch.dtype, eligible_dtypes: Iterable[torch.dtype], first: bool, advice: str) -> CastPlan:
+    return CastPlan(error=advice) if any(True for _ in eligible_dtypes) else AS_IS
+
+
+_Decide = Callable[[torch.dtype, Iterable[torch.dtype], bool, str], CastPlan]
+#: Each category's rule (the module docstring's table).
+_DECIDE: dict[Category, _Decide] = {
+    Category.LOWER_PRECISION_FP: lambda region_dtype, eligible_dtypes, first, advice: cast_to(region_dtype),
+    Category.FP32: lambda region_dtype, eligible_dtypes, first, advice: cast_to(_float32),
+    Category.FP32_SET_OPT_DTYPE: lambda region_dtype, eligible_dtypes, first, advice: _FP32_DTYPE if first else AS_IS,
+    Category.FP32_APPEND_DTYPE: lambda region_dtype, eligible_dtypes, first, advice: _FP32_APPEND if first else AS_IS,
+    Category.PROMOTE: lambda region_dtype, eligible_dtypes, first, advice: _promote(region_dtype, eligible_dtypes),
+    Category.BANNED: _banned,
+}
