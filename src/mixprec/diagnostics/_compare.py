@@ -26,6 +26,7 @@ import torch
 
 import mixprec
 from mixprec.diagnostics._recorder import OpRecord, Recorder, nonfinite
+from mixprec.engine import _devices
 
 
 @dataclasses.dataclass
@@ -147,10 +148,11 @@ def compare(reference: Run, amp: Run, low: torch.dtype) -> list[OpReport]:
                 mixprec._errors.message(f"compare: {name} is invalid", "it is what run_once returned",
                                         received={name: value}, expected="a mixprec.diagnostics.Run")
             )
-    if low not in (torch.bfloat16, torch.float16):
+    if low not in _devices.LOW_PRECISION:
         raise (ValueError if isinstance(low, torch.dtype) else TypeError)(
             mixprec._errors.message("compare: low is invalid", "it is the autocast run's low-precision dtype",
-                                    received={"low": low}, expected=["bfloat16", "float16"])
+                                    received={"low": low},
+                                    expected=[_devices.dtype_name(d) for d in _devices.LOW_PRECISION])
         )
     by_key = {r.key: r.output for r in reference.records}
     low_name = str(low).removeprefix("torch.")

@@ -37,7 +37,10 @@ class DeviceSpec:
     available: Callable[[], bool]
 
 
-_LOW = (torch.float16, torch.bfloat16)
+#: The lower-precision dtypes a region can run in: the one place that lists them (the FX pass, the doctor's
+#: comparison and the device table below read it).
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_LOW = LOW_PRECISION[::-1]  # devices whose default is float16 list it first
 
 DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec

@@ -265,7 +265,7 @@ def _generic(low: torch.dtype, func: Callable[..., Any], cast: tuple[Any, Any], 
 
 def call(
     low: torch.dtype,
-    func: Callable[..., Any],
+    func: torch._ops.OpOverload,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     original: tuple[tuple[Any, ...], dict[str, Any]],
@@ -284,7 +284,7 @@ def call(
         return _eager(low, func, (args, kwargs), original)
 
 
-def _eager(low: torch.dtype, func: Callable[..., Any], cast: tuple[Any, Any], original: tuple[Any, Any]) -> Any:
+def _eager(low: torch.dtype, func: torch._ops.OpOverload, cast: tuple[Any, Any], original: tuple[Any, Any]) -> Any:
     args, kwargs = cast
     found = _emulate_kernels.explicit(func, args, kwargs)
     if found is None:

@@ -1,8 +1,7 @@
 """Matrix products and convolutions in float32, with their backward written out.
 
-Used by ``mixprec.engine._emulate`` for ``compute="emulated"``. A call is first bound
-to the torch signature of its op (``Tensor.addmm``, ``torch.ops.aten.addmm``
-and ``torch.addmm`` bind alike), giving ``(params, tensors)``; a kernel then
+Used by ``mixprec.engine._emulate`` for ``compute="emulated"``. A call of an ATen overload (as the kernels at
+the Autocast keys make it) is first bound to its op's signature, giving ``(params, tensors)``; a kernel then
 runs ``forward(params, *tensors32)`` and, for backward,
 ``backward(params, needs, shapes, grad32, *saved32)``. Calls that do not bind
 (e.g. a convolution with ``padding="same"``) return None here and are
@@ -25,8 +24,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-
-from mixprec.policies import _resolve
 
 Tensor = torch.Tensor
 Grads = tuple[Tensor | None, ...]
@@ -289,18 +286,19 @@ _BINDERS: dict[str, tuple[Kernel, Callable[..., Bound]]] = {
 
 
 @functools.cache
-def _table() -> dict[Callable[..., Any], tuple[Kernel, Callable[..., Bound]]]:
-    return {func: entry for name, entry in _BINDERS.items() for func in _resolve.callables(name)}
+def _table() -> dict[torch._ops.OpOverloadPacket, tuple[Kernel, Callable[..., Bound]]]:
+    """The ATen packets a binder serves: the kernels at the Autocast keys reach ``_emulate`` with an overload of
+    one of these, never with a Python-level callable such as ``torch.mm``."""
+    packets = ((getattr(torch.ops.aten, name, None), entry) for name, entry in _BINDERS.items())
+    return {packet: entry for packet, entry in packets if isinstance(packet, torch._ops.OpOverloadPacket)}
 
 
 def explicit(
-    func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    op: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[Kernel, Any, tuple[Any, ...]] | None:
-    """The kernel, params and tensors of a call it has a written-out backward for, else None."""
-    try:
-        entry = _table().get(func)
-    except TypeError:  # unhashable callable
-        return None
+    """The kernel, params and tensors of a call of the overload ``op`` that has a written-out backward, else
+    None."""
+    entry = _table().get(getattr(op, "overloadpacket", None))  # type: ignore[arg-type]
     if entry is None:
         return None
     kernel, binder = entry

@@ -36,7 +36,6 @@ from mixprec.graph._casts import Casts, is_cast
 from mixprec.policies import Category, Policy
 
 _float32 = torch.float32
-_LOW = (torch.bfloat16, torch.float16)
 
 
 def cast_nodes(gm: fx.GraphModule) -> int:
@@ -277,8 +276,9 @@ def _check(gm: object, policy: object, dtype: object, device_type: object) -> No
                     fix="Pass torch.export.export(model, args).module() or a make_fx graph." if name == "gm" else None,
                 )
             )
-    if dtype not in _LOW:
+    if dtype not in _devices.LOW_PRECISION:
         raise ValueError(
             _errors.message("apply_policy argument 'dtype' is invalid", "it is the lower-precision dtype",
-                            received={"dtype": dtype}, expected=[_devices.dtype_name(d) for d in _LOW])
+                            received={"dtype": dtype},
+                            expected=[_devices.dtype_name(d) for d in _devices.LOW_PRECISION])
         )
