@@ -11,14 +11,13 @@ import torch
 
 from mixprec import _compat, _errors
 from mixprec.engine import (
-    _cast,
     _compile,
     _compute,
     _devices,
     _guard,
     _kernels,
     _memo,
-    _recompute,
+    _region,
     _state,
     _tables,
 )
@@ -32,11 +31,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # torch's state functions, bound once: a region's entry and exit run on every step.
 _dynamo_compiling = torch.compiler.is_dynamo_compiling  # one Python frame, where is_compiling has two
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
-_is_enabled, _set_enabled = torch.is_autocast_enabled, torch.set_autocast_enabled
-_get_dtype, _set_dtype = torch.get_autocast_dtype, torch.set_autocast_dtype
-_is_cached, _set_cached = torch.is_autocast_cache_enabled, torch.set_autocast_cache_enabled
-_increment_nesting, _decrement_nesting = torch.autocast_increment_nesting, torch.autocast_decrement_nesting
-_clear_cache = _cast.clear_autocast_cache  # torch's, and mixprec's mirror of torch's cache
+_is_cached = torch.is_autocast_cache_enabled
 _holders = _state.holders
 _NO_OPS: frozenset[str] = frozenset()
 
@@ -205,15 +200,9 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             # and no mixprec level or setting open in any thread (``_state.holders``): torch's kernels do all the
             # work, so the level is torch's state alone, set as torch.autocast sets it. What to restore is kept on
             # the region; if the region is open already (nested, or in another thread), this level takes a frame.
-            device = self.device
-            saved = (_is_enabled(device), _get_dtype(device), _is_cached())
+            saved = _region.torch_state(self.device)
             if self._unframed.setdefault(0, saved) is saved:  # one atomic claim (regions are shared: _Made)
-                _set_enabled(device, True)
-                if saved[1] is not self.fast_dtype:  # (torch's default dtype is often the region's)
-                    _set_dtype(device, self.fast_dtype)
-                _increment_nesting()
-                if saved[2] is not self._cache_enabled:
-                    _set_cached(self._cache_enabled)
+                _region.set_torch(self.device, True, self.fast_dtype, self._cache_enabled, saved)
                 return self
         if _dynamo_compiling():
             around = _compile.current(self.device)
@@ -234,35 +223,19 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             return self
         # The common case: a region made in eager code (only those hold a setting), entered in eager code
         # (dynamo refuses to enter a context manager made outside the function it compiles, and the
-        # decorator's copy made under compile holds none). ``enter``'s eager path written out: a region is
-        # entered on every step, and its cost shows against a small compiled model.
+        # decorator's copy made under compile holds none): its kernels were checked at its last entry.
         if setting.derived.get("ready") is not _kernels.generation:
             _kernels.ensure(setting)  # on first use, this checks torch's tables too (_tables.check_native)
         if self._native_only:
             self._plain = True
-        device = self.device
-        active = state.active
-        previous = active.get(device)
-        _recompute.record_around(device, previous)  # a checkpoint's recompute needs the setting around it
-        state.frames.append((device, True, previous, (_is_enabled(device), _get_dtype(device), _is_cached())))
-        active[device] = setting
-        _holders.add(state.ident)
-        _set_enabled(device, True)
-        _set_dtype(device, self.fast_dtype)
-        _increment_nesting()
-        _set_cached(self._cache_enabled)
+        _region.open_level(state, self.device, setting, self.fast_dtype, True, self._cache_enabled)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         if self._plain and (not _holders or not _state._state.frames):  # this level took no frame (__enter__)
             saved = self._unframed.pop(0, None)
             if saved is not None:
-                device = self.device
-                if _decrement_nesting() == 0:
-                    _clear_cache()
-                _set_enabled(device, saved[0])
-                _set_dtype(device, saved[1])
-                _set_cached(saved[2])
+                _region.restore_torch(self.device, saved)
                 return
         if _dynamo_compiling():
             around, entered = self._traced.pop()
@@ -270,25 +243,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             _compile.pop(self.device, around)
             return
         state = _state._state
-        frames = state.frames
-        if frames and type(frames[-1][3]) is tuple:  # entered on the eager path: ``leave`` written out
-            device, pushed, previous, saved = frames.pop()
-            if _decrement_nesting() == 0:
-                _clear_cache()
-            _set_enabled(device, saved[0])
-            _set_dtype(device, saved[1])
-            _set_cached(saved[2])
-            if pushed:
-                if previous is None:
-                    del state.active[device]
-                else:
-                    state.active[device] = previous
-            if not frames:
-                if state.cache:
-                    state.cache.clear()
-                _state.release(state)
-            return
-        if not frames:
+        if not state.frames:
             raise RuntimeError(
                 _errors.message(
                     "autocast.__exit__ called out of order",
@@ -297,7 +252,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
                     fix="Use the region in a with statement, which enters it before it exits.",
                 )
             )
-        leave(_state._state, 1)
+        _region.close_level(state)
 
     def _setting_for(self, state: _state.ThreadState) -> _state.Setting:
         if self._policy is None:  # the innermost module policy (set_module_policy), else the installed one
@@ -407,21 +362,9 @@ def enter(
     if torch._C._is_torch_function_mode_enabled():
         _enter_function_mode(device, setting, dtype, enabled, cache_enabled)
         return
-    # The eager path, as torch.autocast.__enter__ sets torch's state, minus its argument checks (made already).
-    state = _state._state
-    previous = None
     if setting is not None:
         _kernels.ensure(setting)
-        previous = state.active.get(device)
-        _recompute.record_around(device, previous)
-        state.active[device] = setting
-    saved = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
-    torch.set_autocast_enabled(device, enabled)
-    torch.set_autocast_dtype(device, dtype)
-    torch.autocast_increment_nesting()
-    torch.set_autocast_cache_enabled(cache_enabled)
-    state.frames.append((device, setting is not None, previous, saved))
-    _state.hold(state)
+    _region.open_level(_state._state, device, setting, dtype, enabled, cache_enabled)
 
 
 def _enter_function_mode(
@@ -434,45 +377,21 @@ def _enter_function_mode(
     if setting is not None:
         _guard.refuse_export(setting)
         _kernels.ensure(setting)
-        previous = state.active.get(device)
-        state.active[device] = setting
+        previous = _region.push_setting(state, device, setting)
     entered = torch.autocast(device, dtype, enabled, cache_enabled)
     try:
         entered.__enter__()
     except BaseException:
         if setting is not None:
-            _restore(state, device, previous)
+            _region.pop_setting(state, device, previous)
         raise
-    state.frames.append((device, setting is not None, previous, entered))
-    _state.hold(state)
-
-
-def _restore(state: _state.ThreadState, device: str, previous: _state.Setting | None) -> None:
-    if previous is None:
-        state.active.pop(device, None)
-    else:
-        state.active[device] = previous
+    _region.add_level(state, device, setting, previous, entered)
 
 
 def leave(state: _state.ThreadState, levels: int) -> None:
     """Close ``levels`` nesting levels opened by ``enter``; the cast cache goes when the last one closes."""
     for _ in range(levels):
-        device, pushed, previous, saved = state.frames.pop()
-        if type(saved) is tuple:  # entered on the eager path
-            if torch.autocast_decrement_nesting() == 0:
-                _cast.clear_autocast_cache()
-            torch.set_autocast_enabled(device, saved[0])
-            torch.set_autocast_dtype(device, saved[1])
-            torch.set_autocast_cache_enabled(saved[2])
-        else:
-            saved.__exit__(None, None, None)
-        if pushed:
-            _restore(state, device, previous)
-    if levels and not state.frames:
-        cache = _cast.thread_cache()
-        if cache:
-            cache.clear()
-        _state.release(state)
+        _region.close_level(state)
 
 
 @contextlib.contextmanager
