@@ -91,20 +91,22 @@ def with_dtype_arg(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], plan: 
     return target, positional, values
 
 
-def fp32_set_opt_dtype(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-    plan = _plan.plan(_SET_OPT, dtype, first_eligible=_first_eligible(device, args, kwargs))
-    if plan.dtype_arg is None:
-        return op(*args, **kwargs)
-    target, args, kwargs = with_dtype_arg(op, args, kwargs, plan)
-    return target(*args, **kwargs)
+def _with_float32_dtype(category: Category) -> Rule:
+    """The rule of ``fp32_set_opt_dtype`` and ``fp32_append_dtype``: the call with the plan's ``dtype=``."""
+
+    def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
+        plan = _plan.plan(category, dtype, first_eligible=_first_eligible(device, args, kwargs))
+        if plan.dtype_arg is None:
+            return op(*args, **kwargs)
+        target, args, kwargs = with_dtype_arg(op, args, kwargs, plan)
+        return target(*args, **kwargs)
+
+    rule.__name__ = category.value
+    return rule
 
 
-def fp32_append_dtype(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-    plan = _plan.plan(_APPEND, dtype, first_eligible=_first_eligible(device, args, kwargs))
-    if plan.dtype_arg is None:
-        return op(*args, **kwargs)
-    target, args, kwargs = with_dtype_arg(op, args, kwargs, plan)
-    return target(*args, **kwargs)
+fp32_set_opt_dtype = _with_float32_dtype(_SET_OPT)
+fp32_append_dtype = _with_float32_dtype(_APPEND)
 
 
 def promote(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
