@@ -101,6 +101,9 @@ class _Rewrite:
             self.table = _tables.effective(policy, device_type)[0]
         else:
             self.table = _tables.categories(policy)
+        # (overload, its tensor inputs' dtypes and devices) whose decomposition reaches no op with a category:
+        # traced once per graph, not at every node (a graph holds many reshapes).
+        self._barren: set[tuple[Any, ...]] = set()
 
     def eligible(self, value: Any) -> bool:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None
@@ -128,8 +131,15 @@ class _Rewrite:
         """For an op with no category whose CompositeImplicitAutograd kernel reaches ops with one: its
         decomposition, rewritten, as eager autocast meets those ops below the composite and casts them
         (``conv1d.padding`` -> ``_convolution_mode``). None for any other op, which stays whole."""
+        key = (target, *(
+            (n.meta["val"].dtype, n.meta["val"].device.type) if _is_tensor(n) else None
+            for n in pytree.tree_leaves((args, kwargs)) if isinstance(n, fx.Node)
+        ))
+        if key in self._barren:
+            return None
         sub = _decomposition(node, target, args, kwargs)
         if sub is None or not self._reaches(sub, depth + 1):
+            self._barren.add(key)
             return None
         inputs = iter(n for n in pytree.tree_leaves((args, kwargs)) if isinstance(n, fx.Node))
         env: dict[fx.Node, Any] = {}
