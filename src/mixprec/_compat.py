@@ -256,6 +256,13 @@ def allow_in_graph(function: Callable[..., Any]) -> None:
     torch._dynamo.allow_in_graph(function)
 
 
+def dynamo_tracing() -> bool:
+    """Whether dynamo is tracing the calling code (``torch.compiler.is_dynamo_compiling``). Code it traces must
+    not call ``hash`` on a tuple: dynamo 2.10 to 2.12 cannot trace that builtin ("Failed to trace builtin
+    operator"), so a Policy made there defers its hash (it is refused with mixprec's own error later)."""
+    return bool(torch.compiler.is_dynamo_compiling())
+
+
 def dynamo_loaded() -> bool:
     """Whether dynamo was imported (so that it may hold compiled frames)."""
     return "torch._dynamo" in sys.modules

@@ -24,7 +24,21 @@ if TYPE_CHECKING:
     CPU_DOCUMENTED: Policy
     CUDA_DOCUMENTED: Policy
 
-__all__ = ["BUILTIN", "CATEGORIES", "DOCUMENTED", "NATIVE", "Category", "Policy", "describes", "lists", *BUILTIN]
+__all__ = [  # the built-in policies by name: griffe (the API reference) reads __all__ as strings only
+    "BUILTIN",
+    "CATEGORIES",
+    "CPU",
+    "CPU_DOCUMENTED",
+    "CUDA",
+    "CUDA_DOCUMENTED",
+    "DOCUMENTED",
+    "NATIVE",
+    "XPU",
+    "Category",
+    "Policy",
+    "describes",
+    "lists",
+]
 
 
 def describes(policy: Policy) -> str | None:

@@ -51,7 +51,7 @@ class Policy:
     content: tuple[str, str | None, frozenset[tuple[str, Category]]] = dataclasses.field(
         init=False, repr=False, compare=False
     )
-    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+    _hash: int | None = dataclasses.field(init=False, repr=False, compare=False)  # None: made while dynamo traced
 
     def __post_init__(self) -> None:
         _check_fields(self.name, self.table, self.base)
@@ -59,7 +59,7 @@ class Policy:
         object.__setattr__(self, "table", types.MappingProxyType(dict(self.table)))
         content = (self.name, self.base, frozenset(self.table.items()))
         object.__setattr__(self, "content", content)  # (a frozen dataclass sets its derived fields so)
-        object.__setattr__(self, "_hash", hash(content))
+        object.__setattr__(self, "_hash", None if _compat.dynamo_tracing() else hash(content))
         _compat.share(self)  # findable from compiled code on releases whose dynamo cannot pass it
 
     @classmethod
@@ -244,10 +244,14 @@ class Policy:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Policy):
             return NotImplemented
-        return self is other or (self._hash == other._hash and self.content == other.content)
+        if self is other:
+            return True
+        if self._hash is not None and other._hash is not None and self._hash != other._hash:
+            return False
+        return self.content == other.content
 
     def __hash__(self) -> int:
-        return self._hash
+        return self._hash if self._hash is not None else hash(self.content)
 
     def __repr__(self) -> str:
         counts = ",".join(
