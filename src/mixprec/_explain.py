@@ -243,7 +243,7 @@ def _run_device(device_type: str) -> str:
 
 def _torch_applies(policy: Policy, device_type: str, name: str) -> bool:
     """False for an entry of the device's own default table that this torch has no Autocast kernel for."""
-    if policy is not _tables.default_policy(device_type) or _tables.autocast_key(device_type) is None:
+    if policy != _tables.default_policy(device_type) or _tables.autocast_key(device_type) is None:
         return True
     ops = _tables.overloads(name)
     return not ops or any(op in _tables.native(device_type) for op in ops)

@@ -37,7 +37,7 @@ from mixprec.engine import _plan, _state
 
 _Tensor = torch.Tensor
 _float32 = torch.float32
-_eligible = _plan.eligible_tensor
+is_eligible = _plan.eligible_tensor  # whether autocast may cast a tensor in a region on a device type
 
 CacheEntry = tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]
 Cache = dict[tuple[int, torch.dtype], CacheEntry]
@@ -86,9 +86,6 @@ def thread_cache() -> Cache:
     return cache
 
 
-is_eligible = _plan.eligible_tensor  # whether autocast may cast a tensor in a region on a device type
-
-
 # ``t.bfloat16()`` is ``t.to(torch.bfloat16)`` (the same ``_to_copy``, the same autograd node)
 # without ``Tensor.to``'s overload resolution: about 1 us less per cast.
 _CAST = {torch.bfloat16: _Tensor.bfloat16, torch.float16: _Tensor.half, torch.float32: _Tensor.float}
@@ -105,7 +102,7 @@ def cast_tensor(
 ) -> torch.Tensor:
     """Cast one tensor if eligible; weights (fp32 leaves requiring grad) go through the cache."""
     source = t.dtype
-    if source is dtype or not _eligible(t, device_type):
+    if source is dtype or not is_eligible(t, device_type):
         return t
     if cache is _torch_cache and source is _float32 and t.requires_grad and t.is_leaf and not t._is_view():
         found = _torch_cache.get(id(t))

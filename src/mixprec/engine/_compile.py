@@ -121,7 +121,7 @@ def _allow_in_graph() -> None:
 def _native_equivalent(setting: _state.Setting | None) -> bool:
     """Whether torch's own kernels serve ``setting`` exactly (none, or the default policy with native compute)."""
     return setting is None or (
-        setting.policy is _tables.default_policy(setting.device_type)
+        setting.policy == _tables.default_policy(setting.device_type)  # by content, as the regions decide
         and not setting.emulate
         and not setting.emulate_ops
     )

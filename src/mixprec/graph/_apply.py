@@ -27,15 +27,12 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from mixprec import _compat, _errors
 from mixprec.engine import _devices, _plan, _rules, _tables
 from mixprec.graph._casts import Casts, is_cast
 from mixprec.policies import Category, Policy
-
-_float32 = torch.float32
 
 
 def cast_nodes(gm: fx.GraphModule) -> int:
@@ -209,6 +206,8 @@ def _decomposition(node: fx.Node, target: Any, args: Any, kwargs: Any) -> fx.Gra
             values[i] = tensor
         a, k = pytree.tree_unflatten(values, spec)
         return _compat.call_at_key(target, "CompositeImplicitAutograd", a, k)
+
+    from torch.fx.experimental.proxy_tensor import make_fx  # only for graphs that hold such an op
 
     try:
         sub = make_fx(decomposed, pre_dispatch=True, tracing_mode="fake")(*vals)
