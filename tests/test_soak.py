@@ -262,8 +262,10 @@ def module_policy_set_and_removed(probe: Probe | None) -> int:
     try:
         with mixprec.autocast("cpu", compute="native"):
             out = model(X)
-            assert out.dtype is F32 and F.linear(X, model[0].weight).dtype is BF16
-            look(probe, out)
+            low = F.linear(X, model[0].weight)  # outside the module: the default policy, in bfloat16
+            assert out.dtype is F32 and low.dtype is BF16
+            look(probe, out, low)  # low's autograd node holds the weight's cast whatever the cache keeps
+            del low
         with torch.autocast("cpu", dtype=BF16):
             assert model(X).dtype is F32
         with pytest.raises(RuntimeError), mixprec.autocast("cpu", compute="native"):
