@@ -90,6 +90,15 @@ def test_banned_error_lifts_to_fp32_as_it_says():
     torch.testing.assert_close(got, torch.nn.functional.binary_cross_entropy(logits.to(bf16).float(), target))
 
 
+def test_a_banned_overload_names_its_own_entry_and_lifting_it_works():
+    """The advice names the entry that decides (the overload's, spelled as listed), so following it lifts the ban."""
+    policy = CPU.with_ops(banned=[torch.ops.aten.mm.default])
+    with pytest.raises(RuntimeError, match=r"with_ops\(fp32=\['aten::mm.default'\]\)"):
+        _under(policy, torch.mm, _x(2, 2), _x(2, 2))
+    lifted = policy.with_ops(fp32=["aten::mm.default"])
+    assert _under(lifted, torch.mm, _x(2, 2), _x(2, 2)).dtype is f32
+
+
 def test_with_ops_several_categories_at_once():
     policy = CPU.with_ops(fp32=["mm", "bmm"], lower_precision_fp=[torch.softmax])
     assert policy.changes == {"bmm": "fp32", "mm": "fp32", "softmax": "lower_precision_fp"}

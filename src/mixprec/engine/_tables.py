@@ -96,8 +96,8 @@ def categories(policy: Policy) -> dict[Op, Category]:
 def entry_name(policy: Policy, op: Op) -> str:
     """The table entry that decides ``op``'s category: the overload's own (``"mm.default"``, ``"aten::mm.default"``)
     before its op's (``"mm"``, ``"aten::mm"``), as ``categories`` applies them; the op's name if none does."""
-    overload = qualified(op)
     packet = op.overloadpacket._qualified_op_name
+    overload = f"{packet}.{op._overloadname}"  # (``qualified`` drops ``.default``; a table may spell it)
     for name in (overload.removeprefix("aten::"), overload, packet.removeprefix("aten::"), packet):
         if name in policy.table:
             return name
