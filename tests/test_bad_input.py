@@ -547,6 +547,9 @@ POLICY_ROWS = [
         names=("not a torch op or op name", OP_EXPECTED)),
     *(row(f"category-{name}", Policy.category, CPU, name, raises=ValueError, names=(f"op='{name}'", OP_EXPECTED))
       for name in NOT_OPS),
+    row("target-op-int", Policy.target, CPU, 3, raises=TypeError, names=("op=3", OP_EXPECTED)),
+    row("target-op-typo", Policy.target, CPU, "sofmax", raises=ValueError,
+        names=("op='sofmax'", "Did you mean one of: softmax")),
     row("ops-unknown-category", Policy.ops, CPU, "half", raises=ValueError,
         names=("category='half'", CATEGORY_CHOICES)),
     row("ops-category-none", Policy.ops, CPU, None, raises=TypeError, names=("category=None", CATEGORY_CHOICES)),

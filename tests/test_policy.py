@@ -83,3 +83,69 @@ def test_documented_cpu_list_differs_from_native_on_conv_transpose():
         assert F.conv_transpose2d(x, w).dtype is torch.float32
     with mixprec.autocast("cpu"):
         assert F.conv_transpose2d(x, w).dtype is torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A category is an action and a target format
+
+
+def test_each_category_is_atens_action_and_target():
+    """ATen's cast policies (autocast_mode.h) read as data: what each does and which format it aims at."""
+    from mixprec.policies._category import TREATMENTS
+
+    found = {c.value: (c.action.value, c.target) for c in mixprec.policies.Category}
+    assert found == {
+        "lower_precision_fp": ("cast", "region"),
+        "fp32": ("cast", "float32"),
+        "fp32_set_opt_dtype": ("set_dtype", "float32"),
+        "fp32_append_dtype": ("append_dtype", "float32"),
+        "promote": ("promote", None),
+        "banned": ("ban", None),
+    }
+    assert set(TREATMENTS) == set(mixprec.policies.Category)
+
+
+@pytest.mark.parametrize("region", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("category", ["lower_precision_fp", "fp32"])
+def test_an_op_runs_in_its_targets_dtype_in_eager_explain_and_the_policy(region, category):
+    policy = mixprec.policies.CPU.with_ops(**{category: ["mm"]})
+    target = mixprec.policies.Category(category).target_format
+    assert target is not None and policy.target("mm") == target.name
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with mixprec.autocast("cpu", dtype=region, policy=policy):
+        out = torch.mm(a, b)
+    assert out.dtype is target.resolve(region)
+    why = mixprec.explain("mm", "cpu", policy, dtype=region, input_dtypes=(torch.float32, torch.float32))
+    assert (why.target, why.runs_in) == (target.name, out.dtype)
+
+
+@pytest.mark.parametrize(("op", "target"), [("cat", None), ("binary_cross_entropy", None), ("add", None)])
+def test_ops_whose_inputs_decide_or_that_do_not_run_have_no_target(op, target):
+    policy = mixprec.policies.CPU.with_ops(banned=["binary_cross_entropy"])
+    assert policy.target(op) is target
+    assert mixprec.explain(op, "cpu", policy).target is target
+
+
+def test_a_new_format_is_one_value_for_an_existing_action():
+    """What fp8 will do: a Format, and the action's rule made for it (no consumer changes)."""
+    from mixprec.engine import _plan
+    from mixprec.policies._category import Action
+    from mixprec.policies._format import Format
+
+    half = Format("float16", torch.float16, cached=False)
+    decide = _plan._ACTIONS[Action.CAST](half)
+    assert decide(torch.bfloat16, (), False, "").cast_to is torch.float16
+    with_dtype = _plan._ACTIONS[Action.SET_DTYPE](half)
+    assert with_dtype(torch.bfloat16, (), True, "") == _plan.CastPlan(dtype_arg=torch.float16)
+    assert with_dtype(torch.bfloat16, (), False, "") is _plan.AS_IS
+
+
+def test_a_treatment_without_its_target_or_with_an_unknown_one_is_refused():
+    from mixprec.policies._category import Action, Treatment
+
+    with pytest.raises(ValueError, match="promote and ban take no target format"):
+        Treatment(Action.CAST, None)
+    with pytest.raises(ValueError, match="promote and ban take no target format"):
+        Treatment(Action.PROMOTE, "float32")
+    with pytest.raises(ValueError, match="Unknown format"):
+        Treatment(Action.CAST, "float8_e4m3fn")

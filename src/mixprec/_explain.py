@@ -31,6 +31,7 @@ import torch.utils._pytree
 from mixprec import _autocast, _errors, _explain_run
 from mixprec.engine import _devices, _kernels, _plan, _tables
 from mixprec.policies import Category, Policy, _names, _serial
+from mixprec.policies._category import Action
 
 _float32 = torch.float32
 
@@ -44,6 +45,8 @@ class Explanation:
         entry: The table entry that decides it (the op's own or its op's for an
             overload), or None if the policy does not list it.
         category: The entry's category, or None (the op runs in its inputs' dtype).
+        target: The category's target format: ``"region"`` (``dtype``), ``"float32"``, or None (no
+            category, or one whose inputs decide: ``promote``; or ``banned``).
         source: Where the entry comes from: ``"default table CPU (torch 2.15)"``,
             ``"documented table CUDA_DOCUMENTED"``, ``"user change (...)"``,
             ``"table of policy <name>"``, or for an unlisted op ``"<table> does not list it"``.
@@ -70,6 +73,7 @@ class Explanation:
     runs_in: torch.dtype | None
     raises: str | None
     note: str | None = None
+    target: str | None = None
 
     def __str__(self) -> str:
         name = _devices.dtype_name
@@ -142,7 +146,9 @@ def explain(
     if call is not None and call.op.overloadpacket._qualified_op_name != _packet_of(name):
         notes.append(f"{_describe(asked)} reaches {_tables.qualified(call.op)} with these inputs")
         name = _names.op_name(call.op.overloadpacket, policy.table)
-    names = _entries(name if call is None else _names.op_name(call.op, policy.table)) + _entries(name)
+    # The call's overload decides as the kernels look it up (_tables.entry_name); a name that made no call
+    # (or a docs spelling such as "__matmul__") by its own entry, then its op's.
+    names = ([] if call is None else [_tables.entry_name(policy, call.op)]) + _entries(name)
     entry = next((n for n in names if n in policy.table), None)
     category = _category(policy, device_type, name, entry, call)
     if category is None:
@@ -165,6 +171,7 @@ def explain(
         op=name,
         entry=entry,
         category=None if category is None else category.value,
+        target=None if category is None else category.target,
         source=_source(policy, entry if entry is not None else name),
         policy=policy.name,
         device_type=device_type,
@@ -277,7 +284,7 @@ def _run(
         dtype,
         (d for d in inputs if eligible(d)),
         first_eligible=eligible(inputs[0]),
-        advice=policy.advice(entry or "") if category is Category.BANNED else "",
+        advice=policy.advice(entry or "") if category is not None and category.action is Action.BAN else "",
     )
     if plan.error is not None:
         return inputs, None, plan.error

@@ -2,7 +2,8 @@
 
 A region whose policy or compute differs from torch's native autocast needs a
 kernel for each overload where they differ (``_tables.effective``), and under
-emulated compute one for each ``lower_precision_fp`` overload. ``ensure``
+emulated compute one for each overload cast to the region's dtype
+(``lower_precision_fp``). ``ensure``
 registers the missing ones through ``torch.library`` the first time a region
 needs them; they stay for the life of the process, as a registration costs
 about 0.1 ms and torch.compile caches graphs against the kernels it saw.
@@ -29,13 +30,14 @@ from typing import Any
 import torch
 
 from mixprec import _compat, _errors
-from mixprec.engine import _cast, _guard, _memo, _recompute, _rules, _state, _tables
+from mixprec.engine import _cast, _guard, _memo, _plan, _recompute, _rules, _state, _tables
 from mixprec.engine import _installation as _install
 from mixprec.policies import Category, Policy
+from mixprec.policies._category import Action
 
 Op = torch._ops.OpOverload
 Entry = tuple[_rules.Rule, bool]  # the rule, and whether it computes emulated
-_LOWER = Category.LOWER_PRECISION_FP
+_REGION_CASTS = _plan.REGION_CASTS
 _NUMBERS = (bool, int, float, complex)
 
 _lock = threading.Lock()
@@ -57,7 +59,7 @@ def registered(device_type: str) -> frozenset[Op]:
 def needed(setting: _state.Setting) -> frozenset[Op]:
     """The overloads that need a mixprec kernel for ``setting``."""
     table, changed = _tables.effective(setting.policy, setting.device_type)
-    return changed | {op for op, category in table.items() if category is _LOWER and _emulated(setting, op)}
+    return changed | {op for op, category in table.items() if category in _REGION_CASTS and _emulated(setting, op)}
 
 
 def _emulated(setting: _state.Setting, op: Op) -> bool:
@@ -146,15 +148,15 @@ _native: _memo.Memo[str, dict[Op, Entry]] = _memo.Memo(16, "native kernel entrie
 
 def rule_for(policy: Policy, op: Op, category: Category) -> _rules.Rule:
     """The rule a kernel applies to ``op`` under ``policy`` (a banned op's carries the policy's advice)."""
-    if category is Category.BANNED:
-        return _rules.banned(policy.advice(_tables.entry_name(policy, op)))
+    if category.action is Action.BAN:
+        return _rules.banned(category, policy.advice(_tables.entry_name(policy, op)))
     return _rules.RULES[category]
 
 
 def _entries(policy: Policy, table: dict[Op, Category], setting: _state.Setting | None) -> dict[Op, Entry]:
     out: dict[Op, Entry] = {}
     for op, category in table.items():
-        emulate = setting is not None and category is _LOWER and _emulated(setting, op)
+        emulate = setting is not None and category in _REGION_CASTS and _emulated(setting, op)
         out[op] = (rule_for(policy, op, category), emulate)
     return out
 

@@ -8,16 +8,20 @@ Every consumer decides through this module and only executes the answer:
 * the tests' reference interpreter, which derives the same from ATen's ``autocast_mode.h`` independently and
   is compared with mixprec op by op (``tests/reference.py``).
 
-Rules, as ATen's ``autocast_mode.h`` defines them::
+A category is an action and a target format (``policies._category.TREATMENTS``); the
+target resolves to a dtype in the region (``"region"``: the region's dtype).
+The actions, as ATen's ``autocast_mode.h`` defines its categories::
 
-    eligible(tensor)     floating, not float64, on the region's device
-    lower_precision_fp   cast eligible tensors to the region's dtype
-    fp32                 cast eligible tensors to float32
-    fp32_set_opt_dtype   if the first tensor argument is eligible: dtype=float32 (unless the call passes one)
-    fp32_append_dtype    if the first tensor argument is eligible: the sibling overload that adds dtype=float32
-    promote              cast eligible tensors to the widest eligible dtype: float32 if any is float32, else
-                         the region's dtype; another low-precision dtype among them is an error
-    banned               an error (the policy's advice) if any tensor argument is eligible
+    eligible(tensor)  floating, not float64, on the region's device
+    cast              cast eligible tensors to the target
+                      (lower_precision_fp: the region's dtype; fp32: float32)
+    set_dtype         if the first tensor argument is eligible: dtype=target, unless the call passes one
+                      (fp32_set_opt_dtype)
+    append_dtype      if the first tensor argument is eligible: the sibling overload that adds dtype=target
+                      (fp32_append_dtype)
+    promote           cast eligible tensors to the widest eligible dtype: float32 if any is float32, else
+                      the region's dtype; another low-precision dtype among them is an error
+    ban               an error (the policy's advice) if any tensor argument is eligible (banned)
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import torch
 
 from mixprec import _errors
 from mixprec.policies import Category
+from mixprec.policies._category import Action
+from mixprec.policies._format import REGION, Format
 
 _float32 = torch.float32
 _float64 = torch.float64
@@ -48,8 +54,6 @@ class CastPlan:
 
 #: The call as it is (no category, or a conditional category whose condition does not hold).
 AS_IS = CastPlan()
-_FP32_DTYPE = CastPlan(dtype_arg=_float32)
-_FP32_APPEND = CastPlan(dtype_arg=_float32, sibling=True)
 _TO: dict[torch.dtype, CastPlan] = {}
 
 
@@ -122,17 +126,46 @@ def _promote(region_dtype: torch.dtype, eligible_dtypes: Iterable[torch.dtype]) 
     return cast_to(region_dtype)
 
 
+_Decide = Callable[[torch.dtype, Iterable[torch.dtype], bool, str], CastPlan]
+
+
+# (``Treatment`` refuses a cast or dtype action without a target: None never reaches these two.)
+def _cast(target: Format | None) -> _Decide:
+    if target is None or target.dtype is None:
+        return lambda region_dtype, eligible_dtypes, first, advice: cast_to(region_dtype)
+    fixed = cast_to(target.dtype)
+    return lambda region_dtype, eligible_dtypes, first, advice: fixed
+
+
+def _with_dtype(sibling: bool) -> Callable[[Format | None], _Decide]:
+    def make(target: Format | None) -> _Decide:
+        if target is None or target.dtype is None:
+            return lambda region_dtype, eligible_dtypes, first, advice: (
+                CastPlan(dtype_arg=region_dtype, sibling=sibling) if first else AS_IS
+            )
+        fixed = CastPlan(dtype_arg=target.dtype, sibling=sibling)
+        return lambda region_dtype, eligible_dtypes, first, advice: fixed if first else AS_IS
+
+    return make
+
+
 def _banned(region_dtype: torch.dtype, eligible_dtypes: Iterable[torch.dtype], first: bool, advice: str) -> CastPlan:
     return CastPlan(error=advice) if any(True for _ in eligible_dtypes) else AS_IS
 
 
-_Decide = Callable[[torch.dtype, Iterable[torch.dtype], bool, str], CastPlan]
-#: Each category's rule (the module docstring's table).
-_DECIDE: dict[Category, _Decide] = {
-    Category.LOWER_PRECISION_FP: lambda region_dtype, eligible_dtypes, first, advice: cast_to(region_dtype),
-    Category.FP32: lambda region_dtype, eligible_dtypes, first, advice: cast_to(_float32),
-    Category.FP32_SET_OPT_DTYPE: lambda region_dtype, eligible_dtypes, first, advice: _FP32_DTYPE if first else AS_IS,
-    Category.FP32_APPEND_DTYPE: lambda region_dtype, eligible_dtypes, first, advice: _FP32_APPEND if first else AS_IS,
-    Category.PROMOTE: lambda region_dtype, eligible_dtypes, first, advice: _promote(region_dtype, eligible_dtypes),
-    Category.BANNED: _banned,
+#: Each action's rule, made for a target format (the module docstring's table).
+_ACTIONS: dict[Action, Callable[[Format | None], _Decide]] = {
+    Action.CAST: _cast,
+    Action.SET_DTYPE: _with_dtype(sibling=False),
+    Action.APPEND_DTYPE: _with_dtype(sibling=True),
+    Action.PROMOTE: lambda target: lambda region_dtype, eligible_dtypes, first, advice: _promote(
+        region_dtype, eligible_dtypes
+    ),
+    Action.BAN: lambda target: _banned,
 }
+
+#: Each category's rule: its action made for its target, once.
+_DECIDE: dict[Category, _Decide] = {c: _ACTIONS[c.action](c.target_format) for c in Category}
+
+#: The categories that cast to the region's dtype: the ops emulated compute takes over (``lower_precision_fp``).
+REGION_CASTS = frozenset(c for c in Category if c.action is Action.CAST and c.target == REGION)

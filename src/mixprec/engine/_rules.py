@@ -1,11 +1,16 @@
 """The cast categories as kernels' rules on ATen calls: each asks ``_plan`` what to do, then does it.
 
+One rule per action (``policies._category.Action``), made for each category
+with its target; a category's rule is ``RULES[category]`` (``banned`` with
+the policy's advice).
+
 A rule gets the op overload and its arguments as the dispatcher hands them to
 the Autocast key, takes the call's ``_plan.CastPlan``, casts, and calls the op
 with that key excluded (so the cast op's own autocast kernel does not run
 again, and composites below it are not autocast, as natively). Weights cast
-to the lower-precision dtype go through the cast cache (``_cast``), and an
-emulated region computes ``lower_precision_fp`` ops through ``_emulate``.
+to a format that keeps them (the region's dtype) go through the cast cache
+(``_cast``), and an emulated region computes the ops cast to its dtype
+(``lower_precision_fp``) through ``_emulate``.
 """
 
 from __future__ import annotations
@@ -17,9 +22,8 @@ import torch
 
 from mixprec.engine import _cast, _emulate, _plan
 from mixprec.policies import Category
+from mixprec.policies._category import Action
 
-_LOWER, _FP32, _PROMOTE = Category.LOWER_PRECISION_FP, Category.FP32, Category.PROMOTE
-_SET_OPT, _APPEND = Category.FP32_SET_OPT_DTYPE, Category.FP32_APPEND_DTYPE
 _Tensor = torch.Tensor
 _eligible = _plan.eligible_tensor
 Op = Any  # torch._ops.OpOverload
@@ -37,18 +41,21 @@ def _first_eligible(device: str, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     return False
 
 
-def lower_precision_fp(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-    to = _plan.plan(_LOWER, dtype).cast_to  # (this category's plan always casts)
-    cast, cast_kwargs = _cast.cast_call(args, kwargs, to, device, _cast.cache_for_call())  # type: ignore[arg-type]
-    if emulate:
-        return _emulate.call(dtype, op, cast, cast_kwargs, original=(args, kwargs))
-    return op(*cast, **cast_kwargs)
+def _casting(category: Category) -> Rule:
+    """The rule of a ``cast`` category: the eligible tensors cast to its target (through the cast cache where
+    the target format keeps weights' casts); emulated where the kernel says so."""
+    cached = category.target_format is not None and category.target_format.cached
 
+    def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
+        to = _plan.plan(category, dtype).cast_to  # (a cast category's plan always casts)
+        cache = _cast.cache_for_call() if cached else None
+        cast, cast_kwargs = _cast.cast_call(args, kwargs, to, device, cache)  # type: ignore[arg-type]
+        if emulate:
+            return _emulate.call(dtype, op, cast, cast_kwargs, original=(args, kwargs))
+        return op(*cast, **cast_kwargs)
 
-def fp32(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-    to = _plan.plan(_FP32, dtype).cast_to  # (this category's plan always casts)
-    cast, cast_kwargs = _cast.cast_call(args, kwargs, to, device, None)  # type: ignore[arg-type]
-    return op(*cast, **cast_kwargs)
+    rule.__name__ = category.value
+    return rule
 
 
 def _bind(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -91,8 +98,8 @@ def with_dtype_arg(op: Op, args: tuple[Any, ...], kwargs: dict[str, Any], plan: 
     return target, positional, values
 
 
-def _with_float32_dtype(category: Category) -> Rule:
-    """The rule of ``fp32_set_opt_dtype`` and ``fp32_append_dtype``: the call with the plan's ``dtype=``."""
+def _with_dtype(category: Category) -> Rule:
+    """The rule of a ``set_dtype`` or ``append_dtype`` category: the call with the plan's ``dtype=``."""
 
     def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
         plan = _plan.plan(category, dtype, first_eligible=_first_eligible(device, args, kwargs))
@@ -105,21 +112,23 @@ def _with_float32_dtype(category: Category) -> Rule:
     return rule
 
 
-fp32_set_opt_dtype = _with_float32_dtype(_SET_OPT)
-fp32_append_dtype = _with_float32_dtype(_APPEND)
-
-
-def promote(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-    plan = _plan.plan(_PROMOTE, dtype, _eligible_dtypes(device, args, kwargs))
-    if plan.error is not None:
-        raise RuntimeError(plan.error)
-    args, kwargs = _cast.cast_call(args, kwargs, plan.cast_to, device, None)  # type: ignore[arg-type]
-    return op(*args, **kwargs)
-
-
-def banned(advice: str) -> Rule:
+def _promoting(category: Category) -> Rule:
     def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-        plan = _plan.plan(Category.BANNED, dtype, _eligible_dtypes(device, args, kwargs), advice=advice)
+        plan = _plan.plan(category, dtype, _eligible_dtypes(device, args, kwargs))
+        if plan.error is not None:
+            raise RuntimeError(plan.error)
+        args, kwargs = _cast.cast_call(args, kwargs, plan.cast_to, device, None)  # type: ignore[arg-type]
+        return op(*args, **kwargs)
+
+    rule.__name__ = category.value
+    return rule
+
+
+def banned(category: Category, advice: str) -> Rule:
+    """The rule of a ``ban`` category, raising ``advice``."""
+
+    def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
+        plan = _plan.plan(category, dtype, _eligible_dtypes(device, args, kwargs), advice=advice)
         if plan.error is not None:
             raise RuntimeError(plan.error)
         return op(*args, **kwargs)
@@ -127,10 +136,13 @@ def banned(advice: str) -> Rule:
     return rule
 
 
-RULES: dict[Category, Rule] = {
-    Category.LOWER_PRECISION_FP: lower_precision_fp,
-    Category.FP32: fp32,
-    Category.FP32_SET_OPT_DTYPE: fp32_set_opt_dtype,
-    Category.FP32_APPEND_DTYPE: fp32_append_dtype,
-    Category.PROMOTE: promote,
+#: How the kernels carry out each action (a ``ban`` needs the policy's advice: ``banned``).
+_MAKE: dict[Action, Callable[[Category], Rule]] = {
+    Action.CAST: _casting,
+    Action.SET_DTYPE: _with_dtype,
+    Action.APPEND_DTYPE: _with_dtype,
+    Action.PROMOTE: _promoting,
 }
+
+#: Each category's rule, but banned ones.
+RULES: dict[Category, Rule] = {c: _MAKE[c.action](c) for c in Category if c.action in _MAKE}

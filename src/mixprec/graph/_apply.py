@@ -33,6 +33,7 @@ from mixprec import _compat, _errors
 from mixprec.engine import _devices, _plan, _rules, _tables
 from mixprec.graph._casts import Casts, is_cast
 from mixprec.policies import Category, Policy
+from mixprec.policies._category import Action
 
 
 def cast_nodes(gm: fx.GraphModule) -> int:
@@ -172,7 +173,7 @@ class _Rewrite:
             self.dtype,
             (n.meta["val"].dtype for n in pytree.tree_leaves((args, kwargs)) if self.eligible(n)),
             first_eligible=first is not None and self.eligible(first),
-            advice=self.policy.advice(_tables.entry_name(self.policy, target)) if category is Category.BANNED else "",
+            advice=self.policy.advice(_tables.entry_name(self.policy, target)) if category.action is Action.BAN else "",
         )
         if plan.error is not None:
             raise RuntimeError(f"{plan.error}{_where(node)}")

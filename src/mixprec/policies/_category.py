@@ -1,10 +1,20 @@
-"""The autocast categories: ATen's cast policies, the values of a policy's table."""
+"""The autocast categories: ATen's cast policies, the values of a policy's table.
+
+A category is two pieces of data (``TREATMENTS``): the action its rule takes on
+a call's arguments (``Action``, carried out by ``engine._plan``) and the target
+format it runs in (``_format.FORMATS``). ``lower_precision_fp`` and ``fp32`` are
+one action, casting, aimed at two formats. A new category is a member here, its
+line in ``TREATMENTS`` and its ops in a policy's table; a new action is also one
+rule in ``engine._plan`` (and what the eager kernels do with it, ``engine._rules``).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 from mixprec import _errors
+from mixprec.policies._format import FLOAT32, REGION, Format, format_of
 
 
 class Category(str, enum.Enum):
@@ -20,12 +30,78 @@ class Category(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def action(self) -> Action:
+        """What the category's rule does to a call's arguments."""
+        return TREATMENTS[self].action
+
+    @property
+    def target(self) -> str | None:
+        """The name of the format the category runs its ops in, or None: ``promote`` (the widest input
+        decides) and ``banned`` (the op does not run)."""
+        return TREATMENTS[self].target
+
+    @property
+    def target_format(self) -> Format | None:
+        """The ``Format`` that ``target`` names, or None."""
+        return TREATMENTS[self].format
+
     @classmethod
     def _missing_(cls, value: object) -> Category:
         raise _unknown_category(value) from None
 
 
 CATEGORIES = tuple(c.value for c in Category)
+
+
+class Action(str, enum.Enum):
+    """What a category's rule does with a call (``engine._plan`` decides each from the call's dtypes)."""
+
+    CAST = "cast"  # cast the eligible tensor arguments to the target
+    SET_DTYPE = "set_dtype"  # if the first tensor argument is eligible, dtype=target (unless one is passed)
+    APPEND_DTYPE = "append_dtype"  # if the first tensor argument is eligible, the overload that adds dtype=target
+    PROMOTE = "promote"  # cast the eligible tensor arguments to the widest of them
+    BAN = "ban"  # raise if any tensor argument is eligible
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class Treatment:
+    """A category as data: its action and the name of its target format (None where the action has none)."""
+
+    action: Action
+    target: str | None
+
+    def __post_init__(self) -> None:
+        if (self.target is None) != (self.action in _UNTARGETED):
+            raise ValueError(
+                _errors.message(
+                    "Treatment is invalid",
+                    "promote and ban take no target format, every other action takes one",
+                    received={"action": self.action.value, "target": self.target},
+                )
+            )
+        if self.target is not None:
+            format_of(self.target)
+
+    @property
+    def format(self) -> Format | None:
+        return None if self.target is None else format_of(self.target)
+
+
+_UNTARGETED = (Action.PROMOTE, Action.BAN)
+
+#: Each category's action and target: ATen's cast policies, read as data.
+TREATMENTS: dict[Category, Treatment] = {
+    Category.LOWER_PRECISION_FP: Treatment(Action.CAST, REGION),
+    Category.FP32: Treatment(Action.CAST, FLOAT32),
+    Category.FP32_SET_OPT_DTYPE: Treatment(Action.SET_DTYPE, FLOAT32),
+    Category.FP32_APPEND_DTYPE: Treatment(Action.APPEND_DTYPE, FLOAT32),
+    Category.PROMOTE: Treatment(Action.PROMOTE, None),
+    Category.BANNED: Treatment(Action.BAN, None),
+}
 
 
 def _unknown_category(value: object) -> Exception:

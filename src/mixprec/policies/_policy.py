@@ -38,6 +38,8 @@ class Policy:
         'fp32_set_opt_dtype'
         >>> mixprec.policies.CPU.category(torch.mm)
         'lower_precision_fp'
+        >>> mixprec.policies.CPU.target(torch.mm), mixprec.policies.CUDA.target("softmax")
+        ('region', 'float32')
         >>> mine = mixprec.policies.CPU.with_ops(fp32=[torch.mm]).without_ops("cat")
         >>> mine.changes
         {'cat': None, 'mm': 'fp32'}
@@ -190,6 +192,15 @@ class Policy:
                 return found.value
         found = self.table.get(_names.op_name(target, self.table))
         return None if found is None else found.value
+
+    def target(self, op: str | Callable[..., object]) -> str | None:
+        """The format ``op`` runs in under this policy: ``"region"`` (the region's lower-precision dtype),
+        ``"float32"``, or None where no format is fixed (``promote``: its widest input; ``banned``; unlisted).
+
+        The target is the op's category's (``Category.target``); ``op`` is named as for :meth:`category`.
+        """
+        category = self.category(op)
+        return None if category is None else Category(category).target
 
     def ops(self, category: str) -> tuple[str, ...]:
         """The op names in one category, sorted."""

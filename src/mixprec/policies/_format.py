@@ -1,0 +1,64 @@
+"""The formats an op can run in: the targets of the categories (``_category.TREATMENTS``).
+
+A format says which dtype a category's casts aim at. Today there are two: the
+region's lower-precision dtype (``"region"``: bfloat16 or float16, whichever
+the region was entered with) and ``"float32"``. A new format is one entry in
+``FORMATS``; a category that runs in it names it as its target (see
+``docs/design.md``, "How fp8 plugs in").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from mixprec import _errors
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    """One target format.
+
+    Attributes:
+        name: The format's name, as categories name their target.
+        dtype: The dtype it stores in, or None for ``"region"``: the region's lower-precision dtype.
+        cached: Whether the casts of weights to it are kept for the region (torch's cast cache keeps the
+            lower-precision casts, not the float32 ones).
+    """
+
+    name: str
+    dtype: torch.dtype | None
+    cached: bool
+
+    def resolve(self, region_dtype: torch.dtype) -> torch.dtype:
+        """The dtype this format means in a region of ``region_dtype``."""
+        return region_dtype if self.dtype is None else self.dtype
+
+
+REGION = "region"
+FLOAT32 = "float32"
+
+#: Every format a category can target, by name.
+FORMATS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        Format(REGION, None, cached=True),
+        Format(FLOAT32, torch.float32, cached=False),
+    )
+}
+
+
+def format_of(name: object) -> Format:
+    """The format called ``name``, with mixprec's error for anything else."""
+    found = FORMATS.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise (ValueError if isinstance(name, str) else TypeError)(
+            _errors.message(
+                "Unknown format",
+                "a category targets one of mixprec's formats",
+                received={"format": name},
+                expected=list(FORMATS),
+            )
+        )
+    return found
