@@ -38,7 +38,7 @@ class Category(str, enum.Enum):
     @property
     def target(self) -> str | None:
         """The name of the format the category runs its ops in, or None: ``promote`` (the widest input
-        decides) and ``banned`` (the op does not run)."""
+        decides) and ``banned`` (the op raises on eligible inputs and runs as it is otherwise)."""
         return TREATMENTS[self].target
 
     @property

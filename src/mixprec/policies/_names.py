@@ -33,6 +33,7 @@ import torch
 
 from mixprec import _errors
 from mixprec.policies import _resolve
+from mixprec.policies._category import Action, Category
 
 _EXPECTED = (
     "an op name in ATen or docs spelling (e.g. 'softmax', 'linalg_inv', 'mylib::op'), a torch callable "
@@ -165,7 +166,7 @@ def dispatched(op: object) -> object:
 
 
 #: The categories that pass ``dtype=float32`` to the op instead of casting its inputs.
-DTYPE_CATEGORIES = ("fp32_set_opt_dtype", "fp32_append_dtype")
+_PASSES_DTYPE = (Action.SET_DTYPE, Action.APPEND_DTYPE)
 
 
 def takes_dtype(name: str) -> bool:
@@ -182,16 +183,16 @@ def takes_dtype(name: str) -> bool:
     return not found
 
 
-def check_dtype_category(category: str, names: list[str]) -> None:
+def check_dtype_category(category: Category, names: list[str]) -> None:
     """ValueError if ``category`` passes dtype= and one of ``names`` takes no dtype argument."""
-    if category not in DTYPE_CATEGORIES:
+    if category.action not in _PASSES_DTYPE:
         return
     for name in names:
         if not takes_dtype(name):
             raise ValueError(
                 _errors.message(
-                    f"Cannot put this op in {category}",
-                    "that category passes dtype=float32 to the op, and the op takes no dtype argument",
+                    f"Cannot put this op in {category.value}",
+                    f"that category passes dtype={category.target} to the op, and the op takes no dtype argument",
                     received={"op": name},
                     expected="an op with a dtype argument (e.g. softmax, log_softmax, sum, cumsum, prod, norm)",
                     fix="To run the op in float32, use the fp32 category, which casts its inputs.",

@@ -96,7 +96,7 @@ class Policy:
         for category, given in ops.items():
             parsed = category_of(category)
             names = _names.op_names(given, self.table)
-            _names.check_dtype_category(parsed.value, names)
+            _names.check_dtype_category(parsed, names)
             moved.setdefault(parsed.value, []).extend(names)
             table.update(dict.fromkeys(names, parsed))
         _serial.check_once("with_ops", moved, [])

@@ -78,7 +78,7 @@ def check(data: object, where: str = "dict") -> tuple[str, str | None, dict[str,
     moved: dict[str, list[str]] = {}
     for category, given in ops.items():
         names = [_names.op_name(n, listed) for n in _string_list(where, "ops", given)]
-        _names.check_dtype_category(category_of(category).value, names)
+        _names.check_dtype_category(category_of(category), names)
         moved[category_of(category).value] = names
     removed = [_names.op_name(n, listed) for n in _string_list(where, "without_ops", data.get("without_ops", []))]
     check_once(where, moved, removed)
