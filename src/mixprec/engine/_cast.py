@@ -104,24 +104,30 @@ def cast_tensor(
     source = t.dtype
     if source is dtype or not is_eligible(t, device_type):
         return t
-    if cache is _torch_cache and source is _float32 and t.requires_grad and t.is_leaf and not t._is_view():
-        found = _torch_cache.get(id(t))
-        if found is not None and found[0]() is t:
+    if cache is not None and source is _float32 and t.requires_grad and t.is_leaf and not t._is_view():
+        return _cached(t, dtype, cache)
+    method = _CAST.get(dtype)  # (``to``, written out: the path of most casts)
+    return t.to(dtype) if method is None else method(t)
+
+
+def _cached(weight: torch.Tensor, dtype: torch.dtype, cache: Cache | TorchCache) -> torch.Tensor:
+    """A weight's cast through ``cache``: the mirror of torch's, or mixprec's own (see the module)."""
+    if cache is _torch_cache:
+        found = _torch_cache.get(id(weight))
+        if found is not None and found[0]() is weight:
             return found[1]  # whatever dtype it was cast to, as torch's cache answers
         with torch.enable_grad():
-            out = to(t, dtype)
-        _torch_cache[id(t)] = (weakref.ref(t), out)
+            out = to(weight, dtype)
+        _torch_cache[id(weight)] = (weakref.ref(weight), out)
         return out
-    if cache is not None and source is _float32 and t.requires_grad and t.is_leaf and not t._is_view():
-        cache = typing.cast(Cache, cache)  # mixprec's own (the mirror was handled above)
-        key = (id(t), dtype)
-        hit = cache.get(key)
-        if hit is not None and hit[0]() is t and hit[1] == t._version:
-            return hit[2]
-        out = to(t, dtype)
-        cache[key] = (weakref.ref(t), t._version, out)
-        return out
-    return to(t, dtype)
+    own = typing.cast(Cache, cache)
+    key = (id(weight), dtype)
+    hit = own.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+        return hit[2]
+    out = to(weight, dtype)
+    own[key] = (weakref.ref(weight), weight._version, out)
+    return out
 
 
 def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | TorchCache | None) -> Any:
@@ -141,7 +147,9 @@ def cast_call(
     cache: Cache | TorchCache | None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Cast every eligible tensor among a call's arguments."""
-    new_args = tuple([cast_value(a, dtype, device_type, cache) for a in args])
+    new_args = tuple(
+        [(cast_tensor if isinstance(a, _Tensor) else cast_value)(a, dtype, device_type, cache) for a in args]
+    )
     if kwargs:
         kwargs = {k: cast_value(v, dtype, device_type, cache) for k, v in kwargs.items()}
     return new_args, kwargs

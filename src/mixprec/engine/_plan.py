@@ -106,6 +106,12 @@ def plan(
     return AS_IS if decide is None else decide(region_dtype, eligible_dtypes, first_eligible, advice)
 
 
+def decider(category: Category) -> Callable[[torch.dtype, Iterable[torch.dtype], bool, str], CastPlan]:
+    """``plan`` for one category, as a function of ``plan``'s other arguments, positional (a kernel's rule
+    calls it on every call: one frame less than ``plan``)."""
+    return _DECIDE[category]
+
+
 def _promote(region_dtype: torch.dtype, eligible_dtypes: Iterable[torch.dtype]) -> CastPlan:
     """float32 at the first float32 input, an error at the first other dtype that is not the region's
     (ATen's ``promote_type``, which meets the inputs in order)."""

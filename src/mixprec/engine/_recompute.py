@@ -120,7 +120,7 @@ def around(device_type: str) -> _state.Setting | None:
 
 def recompute_setting(device_type: str) -> Any:
     """In a recompute: the setting its forward left for ``device_type``, ``NATIVE``, or None (none was left)."""
-    if _compat.tracing() or _task_id() < 0:
+    if _task_id() < 0 or _compat.tracing():  # (forward first: the cheaper test, and the kernels' common case)
         return None
     holder = _holder(forward=False)
     settings = getattr(holder, _ATTRIBUTE, None) if holder is not None else None

@@ -45,9 +45,10 @@ def _casting(category: Category) -> Rule:
     """The rule of a ``cast`` category: the eligible tensors cast to its target (through the cast cache where
     the target format keeps weights' casts); emulated where the kernel says so."""
     cached = category.target_format is not None and category.target_format.cached
+    decide = _plan.decider(category)
 
     def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
-        to = _plan.plan(category, dtype).cast_to  # (a cast category's plan always casts)
+        to = decide(dtype, (), False, "").cast_to  # (a cast category's plan always casts)
         cache = _cast.cache_for_call() if cached else None
         cast, cast_kwargs = _cast.cast_call(args, kwargs, to, device, cache)  # type: ignore[arg-type]
         if emulate:
