@@ -752,6 +752,8 @@ INTEGRATION_ROWS = [
     row("lightning-policy-name", MixprecPrecision, policy="CPU", raises=TypeError, names=("policy='CPU'", "Policy")),
     row("lightning-compute-unknown", MixprecPrecision, compute="fp8", raises=ValueError,
         names=("compute='fp8'", "Expected one of: auto, native, emulated")),
+    row("lightning-connect-model-none", MixprecPrecision.connect, MixprecPrecision(), None, [], [], raises=TypeError,
+        names=("MixprecPrecision.connect argument 'model'", "model=None", "torch.nn.modules.module.Module")),
     row("lightning-device-unknown", MixprecPrecision, device="gpu", raises=ValueError,
         names=("device_type='gpu'", DEVICE_CHOICES)),
     row("lightning-scaler-for-bfloat16", MixprecPrecision, scaler=SCALED, raises=ValueError,

@@ -7,6 +7,8 @@ not here.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -222,6 +224,37 @@ def test_lightning_plugin_trains_float16_with_mixprec_grad_scaler():
     assert seen == [torch.float16] * 8
     assert losses[-1] < losses[0]
     assert plugin.scaler.get_scale() > 0 and plugin.state_dict()["scale"] == plugin.scaler.get_scale()
+
+
+def test_lightning_plugin_takes_the_trainers_device():
+    """device=None (the default) becomes the device type Lightning moved the model to, and a float16 plugin's
+    own scaler is made for it; a device given stays."""
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    plugin = MixprecPrecision(dtype=torch.float16)
+    assert plugin.device is None
+    _lightning_plugin_run(plugin)
+    assert plugin.device == "cpu" and isinstance(plugin.scaler, mixprec.GradScaler)
+    assert plugin.scaler._device == "cpu"
+
+    class OnGpu(torch.nn.Module):  # what connect sees of a LightningModule on accelerator="gpu"
+        device = torch.device("cuda", 0)
+
+    plugin = MixprecPrecision(dtype=torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", mixprec.MixprecWarning)  # (no CUDA here: the region and scaler say so)
+        plugin.connect(OnGpu(), [], [])
+    assert plugin.device == "cuda" and plugin.scaler._device == "cuda"
+    given = MixprecPrecision(device="cpu")
+    given.connect(OnGpu(), [], [])
+    assert given.device == "cpu"
+
+
+def test_lightning_plugin_refuses_a_region_before_it_has_a_device():
+    from mixprec.integrations.lightning import MixprecPrecision
+
+    with pytest.raises(RuntimeError, match=r"MixprecPrecision: no device yet.*Pass the plugin to a Trainer"):
+        MixprecPrecision().autocast_context_manager()
 
 
 @pytest.mark.parametrize(

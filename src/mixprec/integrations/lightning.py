@@ -43,7 +43,8 @@ class MixprecPrecision(MixedPrecision):  # type: ignore[misc]
         compute: ``"auto"``, ``"native"`` or ``"emulated"``, as for ``mixprec.autocast``.
         scaler: For float16, the loss scaler (a ``mixprec.GradScaler`` for the device if None).
             bfloat16 needs none and takes none.
-        device: The autocast device type (default ``"cpu"``).
+        device: The autocast device type. None (the default) follows the trainer: the device type of the
+            model once Lightning has moved it to its accelerator (``"cuda"`` on ``accelerator="gpu"``).
     """
 
     def __init__(
@@ -52,9 +53,10 @@ class MixprecPrecision(MixedPrecision):  # type: ignore[misc]
         policy: Policy | None = None,
         compute: str = "auto",
         scaler: Any = None,
-        device: str = "cpu",
+        device: str | None = None,
     ) -> None:
-        _devices.spec(device)
+        if device is not None:
+            _devices.spec(device)
         if not isinstance(dtype, torch.dtype) or dtype not in _PRECISION:
             raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
                 _errors.message(
@@ -64,7 +66,8 @@ class MixprecPrecision(MixedPrecision):  # type: ignore[misc]
                     expected=["bfloat16", "float16"],
                 )
             )
-        _autocast.autocast(device, dtype=dtype, policy=policy, compute=compute)  # the same checks and errors
+        # The same checks and errors as a region's (on the CPU until the trainer gives the device: ``connect``).
+        _autocast.autocast(device or "cpu", dtype=dtype, policy=policy, compute=compute)
         bf16 = dtype is torch.bfloat16
         if scaler is not None and (bf16 or not isinstance(scaler, (GradScaler, torch.amp.GradScaler))):
             raise (ValueError if bf16 else TypeError)(
@@ -75,12 +78,34 @@ class MixprecPrecision(MixedPrecision):  # type: ignore[misc]
                     expected="None" if bf16 else "None, a mixprec.GradScaler or a torch.amp.GradScaler",
                 )
             )
-        if scaler is None and dtype is torch.float16:
-            scaler = GradScaler(device)
-        super().__init__(_PRECISION[dtype], device, scaler)
+        self._scaler_made = scaler is None and dtype is torch.float16  # (remade for the device at ``connect``)
+        if self._scaler_made:
+            scaler = GradScaler(device or "cpu")
+        super().__init__(_PRECISION[dtype], device, scaler)  # type: ignore[arg-type]  # (None until ``connect``)
         self.dtype, self.policy, self.compute = dtype, policy, compute
 
+    def connect(self, model: Any, optimizers: Any, lr_schedulers: Any) -> Any:
+        """Lightning calls this once the model is on its accelerator: a plugin made with ``device=None`` takes
+        the model's device type (and, for float16, a scaler for it)."""
+        _errors.check_type("model", model, torch.nn.Module, what="MixprecPrecision.connect")
+        if self.device is None:
+            device = _device_type(model)
+            _autocast.autocast(device, dtype=self.dtype, policy=self.policy, compute=self.compute)
+            self.device = device
+            if self._scaler_made:
+                self.scaler = GradScaler(device)
+        return super().connect(model, optimizers, lr_schedulers)
+
     def autocast_context_manager(self) -> _autocast.autocast:  # type: ignore[override]
+        if self.device is None:
+            raise RuntimeError(
+                _errors.message(
+                    "MixprecPrecision: no device yet",
+                    "a plugin made with device=None takes the model's device when the Trainer sets it up, and "
+                    "this region was asked for before",
+                    fix="Pass the plugin to a Trainer, or give it device='cuda' (or 'cpu', ...).",
+                )
+            )
         # Lightning opens its regions without the cast cache; so does this plugin.
         return _autocast.autocast(
             self.device, dtype=self.dtype, cache_enabled=False, policy=self.policy, compute=self.compute
@@ -91,3 +116,14 @@ class MixprecPrecision(MixedPrecision):  # type: ignore[misc]
         return (
             f"MixprecPrecision(dtype={self.dtype}, policy={policy}, compute={self.compute!r}, device={self.device!r})"
         )
+
+
+def _device_type(model: Any) -> str:
+    """The device type a model lives on: a LightningModule's ``device``, else its first parameter's, else the
+    CPU (a model with no parameters or buffers)."""
+    device = getattr(model, "device", None)
+    if isinstance(device, torch.device):
+        return device.type
+    for tensor in (*model.parameters(), *model.buffers()):
+        return str(tensor.device.type)
+    return "cpu"
