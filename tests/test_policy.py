@@ -119,18 +119,18 @@ def test_an_op_runs_in_its_targets_dtype_in_eager_explain_and_the_policy(region,
     assert (why.target, why.runs_in) == (target.name, out.dtype)
 
 
-@pytest.mark.parametrize(("op", "target"), [("cat", None), ("binary_cross_entropy", None), ("add", None)])
-def test_ops_whose_inputs_decide_or_that_do_not_run_have_no_target(op, target):
+@pytest.mark.parametrize("op", ["cat", "binary_cross_entropy", "add"])  # promote, banned, unlisted
+def test_ops_whose_inputs_decide_or_that_do_not_run_have_no_target(op):
     policy = mixprec.policies.CPU.with_ops(banned=["binary_cross_entropy"])
-    assert policy.target(op) is target
-    assert mixprec.explain(op, "cpu", policy).target is target
+    assert policy.target(op) is None
+    assert mixprec.explain(op, "cpu", policy).target is None
 
 
 def test_a_new_format_is_one_value_for_an_existing_action():
     """What fp8 will do: a Format, and the action's rule made for it (no consumer changes)."""
     from mixprec.engine import _plan
     from mixprec.policies._category import Action
-    from mixprec.policies._format import Format
+    from mixprec.policies._format import FORMATS, Format
 
     half = Format("float16", torch.float16, cached=False)
     decide = _plan._ACTIONS[Action.CAST](half)
@@ -138,6 +138,10 @@ def test_a_new_format_is_one_value_for_an_existing_action():
     with_dtype = _plan._ACTIONS[Action.SET_DTYPE](half)
     assert with_dtype(torch.bfloat16, (), True, "") == _plan.CastPlan(dtype_arg=torch.float16)
     assert with_dtype(torch.bfloat16, (), False, "") is _plan.AS_IS
+    appended_in_region = _plan._ACTIONS[Action.APPEND_DTYPE](FORMATS["region"])  # no category does this yet
+    assert appended_in_region(torch.float16, (), True, "") == _plan.CastPlan(dtype_arg=torch.float16, sibling=True)
+    with pytest.raises(ValueError, match="has no target format"):
+        _plan._ACTIONS[Action.CAST](None)
 
 
 def test_a_treatment_without_its_target_or_with_an_unknown_one_is_refused():

@@ -135,21 +135,29 @@ def _promote(region_dtype: torch.dtype, eligible_dtypes: Iterable[torch.dtype]) 
 _Decide = Callable[[torch.dtype, Iterable[torch.dtype], bool, str], CastPlan]
 
 
-# (``Treatment`` refuses a cast or dtype action without a target: None never reaches these two.)
+def _needed(target: Format | None) -> Format:
+    """The target of an action that has one (``Treatment`` already refuses such an action without one)."""
+    if target is None:
+        raise ValueError(_errors.message("A cast or dtype action has no target format", "every such action needs one"))
+    return target
+
+
 def _cast(target: Format | None) -> _Decide:
-    if target is None or target.dtype is None:
+    dtype = _needed(target).dtype
+    if dtype is None:
         return lambda region_dtype, eligible_dtypes, first, advice: cast_to(region_dtype)
-    fixed = cast_to(target.dtype)
+    fixed = cast_to(dtype)
     return lambda region_dtype, eligible_dtypes, first, advice: fixed
 
 
 def _with_dtype(sibling: bool) -> Callable[[Format | None], _Decide]:
     def make(target: Format | None) -> _Decide:
-        if target is None or target.dtype is None:
+        dtype = _needed(target).dtype
+        if dtype is None:
             return lambda region_dtype, eligible_dtypes, first, advice: (
                 CastPlan(dtype_arg=region_dtype, sibling=sibling) if first else AS_IS
             )
-        fixed = CastPlan(dtype_arg=target.dtype, sibling=sibling)
+        fixed = CastPlan(dtype_arg=dtype, sibling=sibling)
         return lambda region_dtype, eligible_dtypes, first, advice: fixed if first else AS_IS
 
     return make

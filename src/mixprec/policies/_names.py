@@ -165,7 +165,7 @@ def dispatched(op: object) -> object:
     return overload if isinstance(overload, torch._ops.OpOverload) else op
 
 
-#: The categories that pass ``dtype=float32`` to the op instead of casting its inputs.
+#: The actions that pass ``dtype=<target>`` to the op instead of casting its inputs.
 _PASSES_DTYPE = (Action.SET_DTYPE, Action.APPEND_DTYPE)
 
 
