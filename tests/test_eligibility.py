@@ -78,7 +78,7 @@ def test_unlisted_op_follows_inputs():
 def test_reversed_operators_under_cuda_policy():
     h = X.half().abs() + 0.5
     with mixprec.autocast("cpu", dtype=torch.float16, policy=mixprec.policies.CUDA):
-        assert (2 ** h).dtype is torch.float32
+        assert (2**h).dtype is torch.float32
         assert (2 / h).dtype is torch.float32
         assert (h**2).dtype is torch.float32
         assert (h @ h).dtype is torch.float16
@@ -102,3 +102,24 @@ def test_banned_raises_with_advice_only_under_cuda_policy():
             torch.nn.BCELoss()(p, p)
     with mixprec.autocast("cpu"):
         assert F.binary_cross_entropy(p, p).dtype is torch.float32
+
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.int64, torch.bool]
+
+
+@pytest.mark.parametrize("to", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("source", _DTYPES, ids=str)
+@pytest.mark.parametrize("device_type", ["cpu", "cuda", "meta"])
+def test_the_kernels_cast_exactly_the_eligible_tensors(source, to, device_type):
+    """``_cast.cast_call`` writes eligibility out for the kernels' hot path: it must cast what
+    ``_plan.eligible_tensor`` (the one rule) calls eligible, plain, in a list, or by keyword, and nothing else."""
+    from mixprec.engine import _cast, _plan
+
+    t = torch.ones(2, dtype=source, device="meta" if device_type == "meta" else "cpu")
+    weight = torch.nn.Parameter(torch.ones(2)) if source is torch.float32 else t
+    for value in (t, weight):
+        expected = to if _plan.eligible_tensor(value, device_type) else value.dtype
+        (plain, listed), kwargs = _cast.cast_call((value, [value]), {"other": value}, to, device_type, False)
+        assert (plain.dtype, listed[0].dtype, kwargs["other"].dtype) == (expected,) * 3
+        if expected is value.dtype:
+            assert plain is value  # an ineligible tensor (or one already in the dtype) is passed on as it is

@@ -392,6 +392,13 @@ top_saved_tensors_hooks: Callable[[bool], Any] = torch._C._autograd._top_saved_t
 graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
 
+def raw_op(op: torch._ops.OpOverload) -> Callable[..., Any]:
+    """What calling ``op`` calls (``OpOverload._op``): the same call less ``OpOverload.__call__``'s frame; ``op``
+    itself where a release has no such attribute."""
+    raw = getattr(op, "_op", None)
+    return raw if callable(raw) else op
+
+
 @functools.cache
 def checkpoint_function_code(name: str) -> types.CodeType:
     """``CheckpointFunction.forward`` / ``.backward``'s code (the reentrant checkpoint)."""

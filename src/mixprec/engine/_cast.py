@@ -37,6 +37,8 @@ from mixprec.engine import _plan, _state
 
 _Tensor = torch.Tensor
 _float32 = torch.float32
+_float64 = torch.float64
+_UNSET: Any = object()  # cast_call: the cache not looked up yet
 is_eligible = _plan.eligible_tensor  # whether autocast may cast a tensor in a region on a device type
 
 CacheEntry = tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]
@@ -116,8 +118,11 @@ def _cached(weight: torch.Tensor, dtype: torch.dtype, cache: Cache | TorchCache)
         found = _torch_cache.get(id(weight))
         if found is not None and found[0]() is weight:
             return found[1]  # whatever dtype it was cast to, as torch's cache answers
-        with torch.enable_grad():
+        if torch.is_grad_enabled():
             out = to(weight, dtype)
+        else:
+            with torch.enable_grad():
+                out = to(weight, dtype)
         _torch_cache[id(weight)] = (weakref.ref(weight), out)
         return out
     own = typing.cast(Cache, cache)
@@ -139,20 +144,52 @@ def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | 
     return value
 
 
+_SEQUENCES = (list, tuple)
+
+
 def cast_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     dtype: torch.dtype,
     device_type: str,
-    cache: Cache | TorchCache | None,
+    cached: bool,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Cast every eligible tensor among a call's arguments."""
-    new_args = tuple(
-        [(cast_tensor if isinstance(a, _Tensor) else cast_value)(a, dtype, device_type, cache) for a in args]
-    )
+    """Cast every eligible tensor among a call's arguments; weights through ``cache_for_call()``'s cache if
+    ``cached`` (the target format keeps weights' casts).
+
+    The kernels' hot path: ``cast_tensor`` written out for a call's positional tensors, and the cache looked up
+    only when a weight is met. Eligibility is ``_plan.eligible_tensor``'s, written out (a test holds them equal).
+    """
+    cache: Any = _UNSET if cached else None
+    cpu = device_type == "cpu"
+    method = _CAST.get(dtype)
+    out = []
+    for a in args:
+        if isinstance(a, _Tensor):
+            source = a.dtype
+            if (
+                source is not dtype
+                and source.is_floating_point
+                and source is not _float64
+                and (a.is_cpu if cpu else a.device.type == device_type)
+            ):
+                if cache is not None and source is _float32 and a.requires_grad and a.is_leaf and not a._is_view():
+                    if cache is _UNSET:
+                        cache = cache_for_call()
+                    if cache is not None:  # a weight, and a cache to keep its cast in
+                        out.append(_cached(a, dtype, cache))
+                        continue
+                a = a.to(dtype) if method is None else method(a)
+        elif type(a) in _SEQUENCES:
+            if cache is _UNSET:
+                cache = cache_for_call()
+            a = cast_value(a, dtype, device_type, cache)
+        out.append(a)
     if kwargs:
+        if cache is _UNSET:
+            cache = cache_for_call()
         kwargs = {k: cast_value(v, dtype, device_type, cache) for k, v in kwargs.items()}
-    return new_args, kwargs
+    return tuple(out), kwargs
 
 
 def iter_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]):  # type: ignore[no-untyped-def]

@@ -36,7 +36,7 @@ from mixprec.policies import Category, Policy
 from mixprec.policies._category import Action
 
 Op = torch._ops.OpOverload
-Entry = tuple[_rules.Rule, bool]  # the rule, and whether it computes emulated
+Entry = _rules.Runner  # what a kernel calls for its op (the op's rule, bound)
 _REGION_CASTS = _plan.REGION_CASTS
 _NUMBERS = (bool, int, float, complex)
 
@@ -141,7 +141,7 @@ def reset() -> None:
         _cast.follow_torch(False)
 
 
-#: Setting key -> ``{overload: (rule, emulate)}``; device type -> the same for torch's native table.
+#: Setting key -> ``{overload: runner}``; device type -> the same for torch's native table.
 _compiled: _memo.Memo[tuple[Any, ...], dict[Op, Entry]] = _memo.Memo(256, "kernel entries")
 _native: _memo.Memo[str, dict[Op, Entry]] = _memo.Memo(16, "native kernel entries")
 
@@ -153,30 +153,32 @@ def rule_for(policy: Policy, op: Op, category: Category) -> _rules.Rule:
     return _rules.RULES[category]
 
 
-def _entries(policy: Policy, table: dict[Op, Category], setting: _state.Setting | None) -> dict[Op, Entry]:
+def _entries(
+    policy: Policy, device_type: str, table: dict[Op, Category], setting: _state.Setting | None
+) -> dict[Op, Entry]:
     out: dict[Op, Entry] = {}
     for op, category in table.items():
         emulate = setting is not None and category in _REGION_CASTS and _emulated(setting, op)
-        out[op] = (rule_for(policy, op, category), emulate)
+        out[op] = _rules.runner(op, device_type, category, rule_for(policy, op, category), emulate)
     return out
 
 
 def entries(setting: _state.Setting) -> dict[Op, Entry]:
-    """``{overload: (rule, emulate)}`` for a setting (memoized by the setting's content)."""
+    """``{overload: runner}`` for a setting (memoized by the setting's content)."""
     found = _compiled.get(setting.key)
     if found is None:
         table, _ = _tables.effective(setting.policy, setting.device_type)
-        found = _compiled.put(setting.key, _entries(setting.policy, table, setting))
+        found = _compiled.put(setting.key, _entries(setting.policy, setting.device_type, table, setting))
     setting.derived["entries"] = found  # the kernels' fast path
     return found
 
 
 def native_entries(device_type: str) -> dict[Op, Entry]:
-    """``{overload: (rule, False)}`` reproducing torch's native autocast on the device."""
+    """``{overload: runner}`` reproducing torch's native autocast on the device."""
     found = _native.get(device_type)
     if found is None:
         policy = _tables.default_policy(device_type)
-        found = _native.put(device_type, _entries(policy, _tables.native(device_type), None))
+        found = _native.put(device_type, _entries(policy, device_type, _tables.native(device_type), None))
     return found
 
 
@@ -184,7 +186,6 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
     dispatch_key = _compat.dispatch_key(key)
     exclude = torch._C.DispatchKeySet(dispatch_key)
     after = _compat.keyset_after(dispatch_key)
-    get_dtype = torch.get_autocast_dtype
     is_compiling = _compat.tracing
     exclude_guard = _compat.ExcludeDispatchKeyGuard
     in_checkpointed_forward = _recompute.in_forward
@@ -193,30 +194,29 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
     # unboxes a wrapped number (``x + 1``), and ``redispatch`` refuses it for a Tensor parameter.
     maybe_scalar = tuple(i for i, a in enumerate(op._schema.arguments) if i and str(a.type) == "Tensor")
 
+    task_id = _compat.graph_task_id
+    grad_enabled = torch.is_grad_enabled
+    top_hooks = _compat.top_saved_tensors_hooks
+    installation = _install
+    native: list[Entry | None] = []  # torch's category for the op, as an entry (looked up on first use)
+
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if is_compiling():
             _guard.guard_trace()
         setting = state.active.get(device_type)
         if setting is None:
-            setting = _recompute.recompute_setting(device_type)  # in a checkpoint's recompute
-            if setting is _recompute.NATIVE:
-                return _call(native_entries(device_type), keyset, args, kwargs)
-            if setting is None:
-                setting = _install.installed_setting(device_type)
-                if setting is None:
-                    if in_checkpointed_forward():
-                        _recompute.record_native(device_type)
-                    return _call(native_entries(device_type), keyset, args, kwargs)
-                if is_compiling():
-                    _guard.refuse_installed_export(setting)
-        # In forward, inside a checkpoint: leave the setting for its recompute, which may run after the
-        # region, or the installation, is gone.
-        if in_checkpointed_forward():
-            _recompute.record(setting)
-        return _call(setting.derived.get("entries") or entries(setting), keyset, args, kwargs)
-
-    def _call(table: dict[Op, Entry], keyset: Any, args: Any, kwargs: Any) -> Any:
-        entry = table.get(op)
+            if task_id() < 0 and installation.current is None:  # forward, nothing installed: torch's category
+                if not grad_enabled() or top_hooks(False) is not None:  # perhaps in a checkpoint (in_forward)
+                    _recompute.record_native(device_type)
+                entry = native[0] if native else _native_entry()
+            else:
+                entry = _without_region()
+        else:
+            # In forward, inside a checkpoint (``_recompute.in_forward``, written out): leave the setting for
+            # its recompute, which may run after the region is gone.
+            if task_id() < 0 and (not grad_enabled() or top_hooks(False) is not None):
+                _recompute.record(setting)
+            entry = (setting.derived.get("entries") or entries(setting)).get(op)
         if entry is None:
             if maybe_scalar and any(i < len(args) and type(args[i]) in _NUMBERS for i in maybe_scalar):
                 # Below autocast by another route: the op with the Autocast key excluded (it has a kernel of
@@ -224,9 +224,34 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
                 with exclude_guard(exclude):
                     return op(*args, **kwargs)
             return op.redispatch(keyset & after, *args, **kwargs)
-        rule, emulate = entry
         with exclude_guard(exclude):
-            return rule(op, device_type, get_dtype(device_type), emulate, args, kwargs)
+            return entry(args, kwargs)
+
+    def _without_region() -> Entry | None:
+        """The entry for a call with no mixprec region on this thread: in a checkpoint's recompute, the one its
+        forward left; under ``mixprec.install``, the installed setting's; else torch's native one."""
+        setting = None
+        if task_id() >= 0:  # in backward: perhaps a checkpoint's recompute
+            setting = _recompute.recompute_setting(device_type)
+            if setting is _recompute.NATIVE:
+                return _native_entry()
+        if setting is None and _install.current is not None:
+            setting = _install.installed_setting(device_type)
+            if setting is not None:
+                if is_compiling():
+                    _guard.refuse_installed_export(setting)
+                if in_checkpointed_forward():  # leave the installed setting for the recompute
+                    _recompute.record(setting)
+        if setting is None:
+            if in_checkpointed_forward():
+                _recompute.record_native(device_type)
+            return native[0] if native else _native_entry()
+        return (setting.derived.get("entries") or entries(setting)).get(op)
+
+    def _native_entry() -> Entry | None:
+        if not native:
+            native.append(native_entries(device_type).get(op))
+        return native[0]
 
     kernel.__name__ = f"mixprec_autocast_{op.overloadpacket.__name__}"
     return kernel

@@ -142,6 +142,16 @@ def _needed(target: Format | None) -> Format:
     return target
 
 
+def cast_dtype(category: Category) -> torch.dtype | None:
+    """The dtype a ``cast`` category's plan casts to whatever the region's dtype, or None where it is the
+    region's (the kernels' cast runner binds it once, instead of asking ``plan`` on every call)."""
+    if category.action is not Action.CAST:
+        raise ValueError(
+            _errors.message("No cast dtype", "only a cast category has one", received={"category": category.value})
+        )
+    return _needed(category.target_format).dtype
+
+
 def _cast(target: Format | None) -> _Decide:
     dtype = _needed(target).dtype
     if dtype is None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from mixprec import _compat
 from mixprec.engine import _cast, _emulate, _plan
 from mixprec.policies import Category
 from mixprec.policies._category import Action
@@ -49,8 +50,7 @@ def _casting(category: Category) -> Rule:
 
     def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
         to = decide(dtype, (), False, "").cast_to  # (a cast category's plan always casts)
-        cache = _cast.cache_for_call() if cached else None
-        cast, cast_kwargs = _cast.cast_call(args, kwargs, to, device, cache)  # type: ignore[arg-type]
+        cast, cast_kwargs = _cast.cast_call(args, kwargs, to, device, cached)  # type: ignore[arg-type]
         if emulate:
             return _emulate.call(dtype, op, cast, cast_kwargs, original=(args, kwargs))
         return op(*cast, **cast_kwargs)
@@ -118,7 +118,7 @@ def _promoting(category: Category) -> Rule:
         plan = _plan.plan(category, dtype, _eligible_dtypes(device, args, kwargs))
         if plan.error is not None:
             raise RuntimeError(plan.error)
-        args, kwargs = _cast.cast_call(args, kwargs, plan.cast_to, device, None)  # type: ignore[arg-type]
+        args, kwargs = _cast.cast_call(args, kwargs, plan.cast_to, device, False)  # type: ignore[arg-type]
         return op(*args, **kwargs)
 
     rule.__name__ = category.value
@@ -135,6 +135,28 @@ def banned(category: Category, advice: str) -> Rule:
         return op(*args, **kwargs)
 
     return rule
+
+
+#: What a kernel calls for its op: ``runner(args, kwargs)``, with the Autocast key excluded.
+Runner = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+
+
+def runner(op: Op, device_type: str, category: Category, rule: Rule, emulate: bool) -> Runner:
+    """``rule`` bound to ``op`` and the device, called with the region's dtype; a cast without emulated compute
+    written out (``_casting``'s rule less its frame and plan lookup: the kernels' commonest call)."""
+    get_dtype = torch.get_autocast_dtype
+    if category.action is not Action.CAST or emulate:
+        return lambda args, kwargs: rule(op, device_type, get_dtype(device_type), emulate, args, kwargs)
+    fixed = _plan.cast_dtype(category)
+    cached = category.target_format is not None and category.target_format.cached
+    call = _compat.raw_op(op)
+    cast_call = _cast.cast_call
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        cast, cast_kwargs = cast_call(args, kwargs, fixed or get_dtype(device_type), device_type, cached)
+        return call(*cast, **cast_kwargs)
+
+    return run
 
 
 #: How the kernels carry out each action (a ``ban`` needs the policy's advice: ``banned``).
