@@ -5,7 +5,11 @@ Two contenders run the same code under a plain ``torch.autocast(device)``:
 * ``native``:  torch's C++ kernels at the Autocast key (``mixprec.engine.reset()``: no mixprec kernel);
 * ``kernels``: every overload torch registers at the device's Autocast key given a mixprec kernel, which
   reproduces torch's category for it (what a policy that changes every op, a module policy or emulated
-  compute pays on each call).
+  compute pays on each call);
+* ``floor`` (reported, not judged): the least any Python kernel can add, for comparison: ``aten::mm`` and
+  ``aten::linear`` only, each casting its float32 tensors to the region's dtype by the cheapest call
+  (``Tensor.bfloat16``) and calling the op with the Autocast key excluded (no setting, table, cache or
+  checkpoint bookkeeping).
 
 Cases:
 
@@ -33,6 +37,7 @@ import argparse
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -46,11 +51,39 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+_CONTENDERS = ("native", "kernels", "floor")
+_floor: list[torch.library.Library] = []
+
+
 def _install(contender: str, device: str) -> None:
     mixprec.engine.reset()
+    while _floor:
+        _floor.pop()._destroy()
+    key = _tables.autocast_key(device)
     if contender == "kernels":
-        key = _tables.autocast_key(device)
         _kernels.register(key, device, frozenset(_tables.native(device)))  # type: ignore[arg-type]
+    elif contender == "floor":
+        library = torch.library.Library("aten", "IMPL")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (torch warns that the kernel replaces its own)
+            for name, op in (("mm", torch.ops.aten.mm.default), ("linear", torch.ops.aten.linear.default)):
+                library.impl(name, _floor_kernel(op, device, key), key)  # type: ignore[arg-type]
+        _floor.append(library)
+
+
+def _floor_kernel(op: torch._ops.OpOverload, device: str, key: str) -> Callable[..., object]:
+    exclude = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    guard = torch._C._ExcludeDispatchKeyGuard
+    f32 = torch.float32
+    method = {torch.bfloat16: torch.Tensor.bfloat16, torch.float16: torch.Tensor.half}
+    call = op._op
+
+    def kernel(*args: object) -> object:
+        to = method[torch.get_autocast_dtype(device)]
+        with guard(exclude):
+            return call(*[to(a) if isinstance(a, torch.Tensor) and a.dtype is f32 else a for a in args])
+
+    return kernel
 
 
 def _time(run: Callable[[], object], calls: int, device: str, region: bool) -> float:
@@ -101,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = _cases(args.device)
     samples: dict[tuple[str, str], list[float]] = {}
     for r in range(args.repeats):
-        for contender in ("native", "kernels") if r % 2 == 0 else ("kernels", "native"):
+        for contender in _CONTENDERS if r % 2 == 0 else _CONTENDERS[::-1]:
             _install(contender, args.device)
             for name, (run, calls, region) in cases.items():
                 samples.setdefault((name, contender), []).append(_time(run, calls, args.device, region))
@@ -115,11 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"mm   16x16 per call: native {mm_native:.2f} us, kernels {mm_kernels:.2f} us, added {added:+.2f} us"
         f"  goal <= +5 us {'met' if added <= 5 else 'MISSED'}"
+        f"  (floor {med[('mm', 'floor')] * 1e6 - mm_native:+.2f} us)"
     )
     print(
         f"mlp  4x Linear(128) fwd+bwd: native {med[('mlp', 'native')] * 1e3:.3f} ms, "
         f"kernels {med[('mlp', 'kernels')] * 1e3:.3f} ms, ratio {ratio:.3f}"
         f"  goal <= 1.05 {'met' if ratio <= 1.05 else 'MISSED'}"
+        f"  (floor {med[('mlp', 'floor')] / med[('mlp', 'native')]:.3f})"
     )
     return 0 if added <= 5 and ratio <= 1.05 else 1
 
