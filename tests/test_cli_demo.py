@@ -78,3 +78,13 @@ def test_import_mixprec_loads_no_cli_dependency():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env={"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin"}, timeout=60, check=True)  # fmt: skip
     assert done.stdout.strip() == "[]"
+
+
+def test_on_a_gpu_the_demo_trains_a_model_where_lower_precision_pays():
+    """The CNN is launch-bound on a GPU; there the demo trains a wide MLP on a large batch (the CPU keeps the CNN)."""
+    gpu, cpu = _demo.make_model("cuda"), _demo.make_model("cpu")
+    widths = [m.out_features for m in gpu if isinstance(m, torch.nn.Linear)]
+    assert widths == [_demo.GPU_WIDTH] * 3 + [10] and _demo.batch_size("cuda") == _demo.GPU_BATCH == 4096
+    assert any(isinstance(m, torch.nn.Conv2d) for m in cpu) and _demo.batch_size("cpu") == _demo.BATCH
+    assert gpu(torch.zeros(2, 1, 8, 8)).shape == (2, 10)
+    assert _demo._where("cpu") == f"{torch.get_num_threads()} threads"
