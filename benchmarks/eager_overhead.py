@@ -2,18 +2,25 @@
 
 Three contenders run the same step on the same model and inputs:
 
-* ``mixprec``: ``mixprec.autocast("cpu", dtype=torch.bfloat16)`` (the case's policy, if it has one)
-* ``native``:  ``torch.autocast("cpu", dtype=torch.bfloat16)``
+* ``mixprec``: ``mixprec.autocast(device, dtype=torch.bfloat16)`` (the case's policy, if it has one)
+* ``native``:  ``torch.autocast(device, dtype=torch.bfloat16)``
 * ``fp32``:    no autocast
 
-on four cases, all forward+backward: a small MLP (overhead-dominated), an
-``nn.TransformerEncoderLayer``, a small Hugging Face BERT (built from a config,
-nothing downloaded), all three under the default policy, where mixprec registers
-no kernel and torch's own autocast does the work; and a GELU MLP under
-``policies.CPU.with_ops(promote=["gelu"])``, which puts a mixprec kernel on every
-GELU without changing a dtype: the cost of one Python kernel per op. That case
-runs last: kernels stay registered for the process, and BERT's GELUs would pay
-for it too.
+on these cases, all forward+backward: a small MLP (overhead-dominated), an
+``nn.TransformerEncoderLayer``, a small Hugging Face BERT and GPT-2 (built from a
+config, nothing downloaded), all under the default policy, where mixprec registers
+no kernel and torch's own autocast does the work; a GELU MLP under the device's
+default policy ``.with_ops(promote=["gelu"])``, which puts a mixprec kernel on
+every GELU without changing a dtype: the cost of one Python kernel per op; and
+``mlp_kernels`` and ``gpt2_kernels``, where the mixprec contender runs with every
+overload torch registers at the Autocast key given a mixprec kernel (registered
+before each of its samples and dropped before the others'): what a policy that
+changes every op pays. The kernel cases run last: kernels registered for the
+process would be paid by the other cases' GELUs too.
+
+``--device cuda`` runs the same on a GPU, with sizes where the GPU has work (an MLP
+of 6 layers 512 wide, an encoder layer of width 768 on 8x512 tokens, BERT base on
+16x256, GPT-2 small on 8x512), synchronising before and after each timed loop.
 
 Algorithm::
 
@@ -30,7 +37,8 @@ side by side in one process are what to read.
 
 Usage::
 
-    python benchmarks/eager_overhead.py [--repeats 100] [--sample-ms 10] [--threads 1] [--json out.json]
+    python benchmarks/eager_overhead.py [--device cpu] [--repeats 100] [--sample-ms 10] [--threads 1]
+        [--json out.json]
 
 The exit status is 1 if a mixprec/native goal is missed.
 """
@@ -60,10 +68,26 @@ BF16 = torch.bfloat16
 #: mixprec's ``compute`` argument (``--compute``): "auto" emulates bfloat16 on a CPU without bf16 units, where
 #: torch.autocast runs its slow bf16 kernels; "native" times the same compute as torch's there.
 COMPUTE = {"compute": "auto"}
+#: ``--device``: where the models, inputs and regions are.
+DEVICE = {"device": "cpu"}
+
+
+def _device() -> str:
+    return DEVICE["device"]
+
+
+def _gpu() -> bool:
+    return _device() == "cuda"
+
+
+def _sync() -> None:
+    if _gpu():
+        torch.cuda.synchronize()
+
 
 CONTENDERS: dict[str, Callable[[], Any]] = {
-    "mixprec": lambda: mixprec.autocast("cpu", dtype=BF16, **COMPUTE),
-    "native": lambda: torch.autocast("cpu", dtype=BF16),
+    "mixprec": lambda: mixprec.autocast(_device(), dtype=BF16, **COMPUTE),
+    "native": lambda: torch.autocast(_device(), dtype=BF16),
     "fp32": contextlib.nullcontext,
 }
 
@@ -77,6 +101,7 @@ class Case:
     step: Callable[[Callable[[], Any]], torch.Tensor]
     goal: float  # the mixprec/native ratio to stay under
     policy: Any = None  # the mixprec contender's policy (None: the default)
+    kernels: bool = False  # the mixprec contender runs with every native autocast op as a mixprec kernel
     inner: int = 1
     samples: dict[str, list[float]] = field(default_factory=dict)
 
@@ -105,30 +130,39 @@ def _bert_step(model: nn.Module, **inputs: torch.Tensor) -> Callable[[Callable[[
     return step
 
 
+def _mlp(layers: int, width: int, act: Callable[[], nn.Module]) -> nn.Module:
+    body: list[nn.Module] = []
+    for _ in range(layers - 1):
+        body += [nn.Linear(width, width), act()]
+    return nn.Sequential(*body, nn.Linear(width, width)).to(_device())
+
+
 def mlp_case() -> Case:
-    width, batch = 64, 32
-    model = nn.Sequential(
-        nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width)
-    )
-    x = torch.randn(batch, width)
-    return Case("mlp", f"MLP 3x Linear({width}, {width}) + ReLU, batch {batch}, fwd+bwd", _train_step(model, x), 1.03)
+    layers, width, batch = (6, 512, 64) if _gpu() else (3, 64, 32)
+    model, x = _mlp(layers, width, nn.ReLU), torch.randn(batch, width, device=_device())
+    desc = f"MLP {layers}x Linear({width}, {width}) + ReLU, batch {batch}, fwd+bwd"
+    return Case("mlp", desc, _train_step(model, x), 1.03)
+
+
+def mlp_kernels_case() -> Case:
+    case = mlp_case()
+    desc = case.description + ", every native autocast op a mixprec kernel"
+    return Case("mlp_kernels", desc, case.step, 1.05, kernels=True)
 
 
 def gelu_kernel_case() -> Case:
     width, batch = 64, 32
-    model = nn.Sequential(
-        nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, width)
-    )
-    x = torch.randn(batch, width)
+    model, x = _mlp(3, width, nn.GELU), torch.randn(batch, width, device=_device())
     desc = f"MLP 3x Linear({width}, {width}) + GELU, batch {batch}, fwd+bwd, a mixprec kernel on every GELU"
-    policy = mixprec.policies.CPU.with_ops(promote=["gelu"])
+    policy = (mixprec.policies.CUDA if _gpu() else mixprec.policies.CPU).with_ops(promote=["gelu"])
     return Case("gelu_kernel", desc, _train_step(model, x), 1.10, policy=policy)
 
 
 def encoder_case() -> Case:
-    d_model, nhead, seq, batch = 256, 4, 64, 8
+    d_model, nhead, seq, batch = (768, 12, 512, 8) if _gpu() else (256, 4, 64, 8)
     model = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True)
-    x = torch.randn(batch, seq, d_model)
+    model = model.to(_device())
+    x = torch.randn(batch, seq, d_model, device=_device())
     desc = f"nn.TransformerEncoderLayer d_model {d_model}, nhead {nhead}, ff {4 * d_model}, seq {seq}, batch {batch}"
     return Case("encoder", desc + ", fwd+bwd", _train_step(model, x), 1.03)
 
@@ -137,20 +171,20 @@ def small_bert() -> tuple[nn.Module, dict[str, torch.Tensor], str]:
     """A small HF BertModel in eval mode (built from a config, nothing downloaded), its inputs and a description."""
     from transformers import BertConfig, BertModel
 
-    hidden, layers, heads, seq, batch = 128, 2, 2, 64, 4
+    hidden, layers, heads, seq, batch = (768, 12, 12, 256, 16) if _gpu() else (128, 2, 2, 64, 4)
     config = BertConfig(
-        vocab_size=1000,
+        vocab_size=30522 if _gpu() else 1000,
         hidden_size=hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         intermediate_size=4 * hidden,
         max_position_embeddings=seq,
     )
-    model = BertModel(config).eval()  # eval: no dropout, so the contenders compute the same
+    model = BertModel(config).eval().to(_device())  # eval: no dropout, so the contenders compute the same
     gen = torch.Generator().manual_seed(0)
     inputs = {
-        "input_ids": torch.randint(0, config.vocab_size, (batch, seq), generator=gen),
-        "attention_mask": torch.ones(batch, seq, dtype=torch.long),
+        "input_ids": torch.randint(0, config.vocab_size, (batch, seq), generator=gen).to(_device()),
+        "attention_mask": torch.ones(batch, seq, dtype=torch.long, device=_device()),
     }
     desc = f"HF BertModel hidden {hidden}, {layers} layers, {heads} heads, seq {seq}, batch {batch}"
     return model, inputs, desc
@@ -161,33 +195,87 @@ def bert_case() -> Case:
     return Case("bert", desc + ", fwd+bwd", _bert_step(model, **inputs), 1.03)
 
 
-#: In this order: the last case registers a kernel that the others would then pay for.
+def gpt2_case() -> Case:
+    """GPT-2 (HF ``GPT2LMHeadModel`` from a config, eval mode: no dropout), language-model loss."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    hidden, layers, heads, seq, batch = (768, 12, 12, 512, 8) if _gpu() else (128, 2, 2, 64, 4)
+    vocab = 50257 if _gpu() else 1000
+    config = GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq, vocab_size=vocab)
+    model = GPT2LMHeadModel(config).eval().to(_device())
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)).to(_device())
+
+    def step(region: Callable[[], Any]) -> torch.Tensor:
+        model.zero_grad(set_to_none=True)
+        with region():
+            out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.logits  # type: ignore[no-any-return]
+
+    desc = f"HF GPT2LMHeadModel hidden {hidden}, {layers} layers, {heads} heads, seq {seq}, batch {batch}, fwd+bwd"
+    return Case("gpt2", desc, step, 1.03)
+
+
+def gpt2_kernels_case() -> Case:
+    case = gpt2_case()
+    desc = case.description + ", every native autocast op a mixprec kernel"
+    return Case("gpt2_kernels", desc, case.step, 1.05, kernels=True)
+
+
+#: In this order: the last cases register kernels that the others would then pay for.
 CASES: dict[str, Callable[[], Case]] = {
     "mlp": mlp_case,
     "encoder": encoder_case,
     "bert": bert_case,
+    "gpt2": gpt2_case,
     "gelu_kernel": gelu_kernel_case,
+    "mlp_kernels": mlp_kernels_case,
+    "gpt2_kernels": gpt2_kernels_case,
+}
+
+
+#: The cases a run without ``--cases`` measures, per device (the kernel cases and GPT-2 on request on a CPU).
+DEFAULT_CASES = {
+    "cpu": ("mlp", "encoder", "bert", "gelu_kernel"),
+    "cuda": ("mlp", "encoder", "bert", "gpt2", "mlp_kernels", "gpt2_kernels"),
 }
 
 
 def contenders(case: Case) -> dict[str, Callable[[], Any]]:
     if case.policy is None:
         return dict(CONTENDERS)
-    return {**CONTENDERS, "mixprec": lambda: mixprec.autocast("cpu", dtype=BF16, policy=case.policy, **COMPUTE)}
+    return {**CONTENDERS, "mixprec": lambda: mixprec.autocast(_device(), dtype=BF16, policy=case.policy, **COMPUTE)}
+
+
+def _kernels_for(case: Case, contender: str) -> None:
+    """A kernels case: every native autocast op a mixprec kernel for the mixprec contender, none for the others."""
+    if not case.kernels:
+        return
+    from mixprec.engine import _kernels, _tables
+
+    mixprec.engine.reset()
+    if contender == "mixprec":
+        key = _tables.autocast_key(_device())
+        _kernels.register(key, _device(), frozenset(_tables.native(_device())))  # type: ignore[arg-type]
 
 
 def _check_dtypes(case: Case) -> None:
     """Every autocast contender must produce native's output dtype (bfloat16), fp32 must not."""
-    got = {name: case.step(region).dtype for name, region in contenders(case).items()}
+    got = {}
+    for name, region in contenders(case).items():
+        _kernels_for(case, name)
+        got[name] = case.step(region).dtype
     if any(dtype != got["native"] for name, dtype in got.items() if name != "fp32") or got["fp32"] != torch.float32:
         raise RuntimeError(f"{case.name}: output dtypes disagree, so the comparison is void: {got}")
 
 
 def _time(case: Case, region: Callable[[], Any], inner: int) -> float:
     step = case.step
+    _sync()
     start = time.perf_counter()
     for _ in range(inner):
         step(region)
+    _sync()
     return (time.perf_counter() - start) / inner
 
 
@@ -195,7 +283,8 @@ def run_case(case: Case, repeats: int, warmup: int, sample_ms: float) -> None:
     _check_dtypes(case)
     regions = contenders(case)
     slowest = 0.0
-    for region in regions.values():
+    for name, region in regions.items():
+        _kernels_for(case, name)
         _time(case, region, warmup)
         slowest = max(slowest, min(_time(case, region, 1) for _ in range(3)))
     case.inner = max(1, round(sample_ms / 1e3 / slowest))
@@ -205,7 +294,12 @@ def run_case(case: Case, repeats: int, warmup: int, sample_ms: float) -> None:
     case.samples = {name: [] for name in regions}
     for r in range(repeats):
         for name in orders[r % len(orders)]:
+            if case.kernels:  # (kernels registered or dropped: the first step rebuilds the tables, untimed)
+                _kernels_for(case, name)
+                case.step(regions[name])
             case.samples[name].append(_time(case, regions[name], case.inner))
+    if case.kernels:
+        mixprec.engine.reset()
 
 
 def medians_ms(case: Case) -> dict[str, float]:
@@ -232,7 +326,9 @@ def machine() -> dict[str, Any]:
             found.setdefault(key.strip(), value.strip())
     model = found.get("model name") or platform.processor() or "unknown"
     flags = found.get("flags", "").split()
+    gpu = {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda} if _gpu() else {}
     return {
+        **gpu,
         "cpu": model,
         "logical_cpus": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -291,28 +387,38 @@ COMPUTE_HELP = "mixprec's compute argument (default auto; native compares like w
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
     parser.add_argument("--repeats", type=int, default=100, help="interleaved repetitions per case (default 100)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up steps per contender (default 5)")
     parser.add_argument("--sample-ms", type=float, default=10.0, help="target time of one sample, ms (default 10)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES), help="cases to run")
+    parser.add_argument(
+        "--cases", nargs="+", choices=list(CASES), help=f"cases to run (default: {', '.join(DEFAULT_CASES['cpu'])}; "
+        f"with --device cuda: {', '.join(DEFAULT_CASES['cuda'])})",
+    )  # fmt: skip
     parser.add_argument("--compute", choices=["auto", "native", "emulated"], default="auto", help=COMPUTE_HELP)
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
     if args.repeats < 3:
         parser.error(f"--repeats must be at least 3 for a median and quartiles. Received: {args.repeats}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device")
+    DEVICE["device"] = args.device
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     COMPUTE["compute"] = args.compute
     info = machine()
+    if _gpu():
+        print(f"GPU: {info['gpu']}, CUDA {info['cuda']}")
     print(
         f"torch {info['torch']}, mixprec {info['mixprec']}, {info['cpu']} ({info['logical_cpus']} logical CPUs, "
         f"{info['cpu_capability']}, bf16 flags {info['bf16_cpu_flags'] or 'none'}), threads {info['threads']}, "
         f"repeats {args.repeats}, mixprec compute={args.compute!r}, load average {info['loadavg'][0]:.2f}\n"
     )
     cases = []
-    for name in [c for c in CASES if c in args.cases]:
+    chosen = args.cases or DEFAULT_CASES[args.device]
+    for name in [c for c in CASES if c in chosen]:
         case = CASES[name]()
         run_case(case, args.repeats, args.warmup, args.sample_ms)
         cases.append(case)
