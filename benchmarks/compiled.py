@@ -8,7 +8,9 @@ keeps one graph per autocast state, selected by its guards):
 * ``fp32``:    the same outside any region
 
 Cases: ``nn.TransformerEncoderLayer`` forward+backward (training mode) and a Hugging
-Face ``BertModel`` from a small config, eval forward under ``no_grad``.
+Face ``BertModel`` from a small config, eval forward under ``no_grad``. ``--device cuda``
+runs them on a GPU at ``eager_overhead.py``'s GPU sizes (encoder width 768 on 8x512
+tokens, BERT base on 16x256), synchronising around each timed loop.
 
 Algorithm::
 
@@ -26,7 +28,7 @@ Algorithm::
 
 Usage::
 
-    python benchmarks/compiled.py [--repeats 50] [--sample-ms 20] [--threads 1] [--json out.json]
+    python benchmarks/compiled.py [--device cpu] [--repeats 50] [--sample-ms 20] [--threads 1] [--json out.json]
     python benchmarks/compiled.py --alone mixprec   # one contender per process, as a cross-check
     python benchmarks/compiled.py --region-steps 0  # skip the region cost
 
@@ -57,8 +59,8 @@ from mixprec.graph import apply_policy
 
 BF16 = torch.bfloat16
 CONTENDERS: dict[str, Callable[[], Any]] = {
-    "mixprec": lambda: mixprec.autocast("cpu", dtype=BF16, **common.COMPUTE),
-    "native": lambda: torch.autocast("cpu", dtype=BF16),
+    "mixprec": lambda: mixprec.autocast(common._device(), dtype=BF16, **common.COMPUTE),
+    "native": lambda: torch.autocast(common._device(), dtype=BF16),
     "fp32": contextlib.nullcontext,
 }
 _CASTS = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default, torch.ops.aten.to.dtype)
@@ -102,12 +104,13 @@ def export_casts(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             self.inner = model
 
         def forward(self, *a: Any, **k: Any) -> Any:
-            with torch.autocast("cpu", dtype=BF16):
+            with torch.autocast(common._device(), dtype=BF16):
                 return self.inner(*a, **k)
 
     native = torch.export.export(Native(), args, kwargs, strict=False).run_decompositions({})
     plain = torch.export.export(model, args, kwargs, strict=False)
-    rewritten = apply_policy(plain.module(), mixprec.policies.CPU, BF16, device_type="cpu")
+    policy = mixprec.policies.CUDA if common._gpu() else mixprec.policies.CPU
+    rewritten = apply_policy(plain.module(), policy, BF16, device_type=common._device())
     with torch.no_grad():
         ours, theirs = rewritten(*args, **kwargs), native.module()(*args, **kwargs)
     same = all(
@@ -118,9 +121,10 @@ def export_casts(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def encoder_case() -> tuple[common.Case, dict[str, int]]:
-    d_model, nhead, seq, batch = 256, 4, 64, 8
+    d_model, nhead, seq, batch = (768, 12, 512, 8) if common._gpu() else (256, 4, 64, 8)
     model = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True)
-    x = torch.randn(batch, seq, d_model)
+    model = model.to(common._device())
+    x = torch.randn(batch, seq, d_model, device=common._device())
     counts = {f"aot_{n}": aot_forward_casts(model, lambda m: m(x), r) for n, r in CONTENDERS.items() if n != "fp32"}
     counts.update(export_casts(model.eval(), (x,), {}))
     model.train()
@@ -195,6 +199,7 @@ def alone(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
     parser.add_argument("--repeats", type=int, default=50, help="interleaved repetitions per case (default 50)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per contender (default 3)")
     parser.add_argument("--sample-ms", type=float, default=20.0, help="target time of one sample, ms (default 20)")
@@ -216,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 3:
         parser.error(f"--repeats must be at least 3 for a median and quartiles. Received: {args.repeats}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device")
+    common.DEVICE["device"] = args.device
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -223,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     common.CONTENDERS.update(CONTENDERS)
     common.COMPUTE["compute"] = args.compute
     info = common.machine()
+    if common._gpu():
+        print(f"GPU: {info['gpu']}, CUDA {info['cuda']}")
     print(
         f"torch {info['torch']}, mixprec {info['mixprec']}, {info['cpu']}, threads {info['threads']}, "
         f"bf16 flags {info['bf16_cpu_flags'] or 'none'}, mixprec compute={args.compute!r}, "

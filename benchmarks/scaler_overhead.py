@@ -16,11 +16,13 @@ iteration unscales the same gradients by the same scale::
     report the median per contender and the ratio of the medians (goal <= 1.05)
 
 Absolute times drift on a shared machine; the ratio of contenders measured side
-by side in one process is what to read.
+by side in one process is what to read. ``--device cuda`` keeps the model, its
+gradients and both scalers on the GPU and synchronises around each timed call.
 
 Usage::
 
-    python benchmarks/scaler_overhead.py [--repeats 30] [--inner 4] [--threads 1] [--layers 24] [--json out.json]
+    python benchmarks/scaler_overhead.py [--device cpu] [--repeats 30] [--inner 4] [--threads 1] [--layers 24]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -44,10 +46,15 @@ GOAL = 1.05
 CONTENDERS = {"mixprec": mixprec.GradScaler, "torch": torch.amp.GradScaler}
 
 
-def build(layers: int) -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def build(layers: int, device: str) -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
     """The model, its optimizer, and the saved gradients to restore before every sample."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(layers))).to(device)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     saved = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
@@ -55,35 +62,44 @@ def build(layers: int) -> tuple[nn.Module, torch.optim.Optimizer, list[torch.Ten
 
 
 def sample(
-    scaler: Any, opt: torch.optim.Optimizer, grads: list[torch.Tensor], saved: list[torch.Tensor], inner: int
+    scaler: Any,
+    opt: torch.optim.Optimizer,
+    grads: list[torch.Tensor],
+    saved: list[torch.Tensor],
+    inner: int,
+    device: str = "cpu",
 ) -> float:
     """Mean time of ``inner`` iterations, each on freshly restored gradients."""
     timed = 0.0
     for _ in range(inner):
         torch._foreach_copy_(grads, saved)
+        _sync(device)
         start = time.perf_counter()
         scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
+        _sync(device)
         timed += time.perf_counter() - start
     return timed / inner
 
 
-def run(layers: int, repeats: int, warmup: int, inner: int) -> tuple[int, dict[str, list[float]]]:
-    model, opt, saved = build(layers)
+def run(
+    layers: int, repeats: int, warmup: int, inner: int, device: str = "cpu"
+) -> tuple[int, dict[str, list[float]]]:
+    model, opt, saved = build(layers, device)
     grads = [p.grad for p in model.parameters()]
     # growth_interval out of reach: the scale stays 2**16 (a real multiply, never 1.0) in every sample.
-    scalers = {name: cls("cpu", growth_interval=10**9) for name, cls in CONTENDERS.items()}
+    scalers = {name: cls(device, growth_interval=10**9) for name, cls in CONTENDERS.items()}
     for scaler in scalers.values():
-        scaler.scale(torch.ones(()))  # makes the scale tensor
+        scaler.scale(torch.ones((), device=device))  # makes the scale tensor
     for scaler in scalers.values():
-        sample(scaler, opt, grads, saved, warmup)  # type: ignore[arg-type]
+        sample(scaler, opt, grads, saved, warmup, device)  # type: ignore[arg-type]
     samples: dict[str, list[float]] = {name: [] for name in scalers}
     names = list(scalers)
     for r in range(repeats):
         for k in range(len(names)):
             name = names[(r + k) % len(names)]
-            samples[name].append(sample(scalers[name], opt, grads, saved, inner))  # type: ignore[arg-type]
+            samples[name].append(sample(scalers[name], opt, grads, saved, inner, device))  # type: ignore[arg-type]
     for name, scaler in scalers.items():
         if scaler.get_scale() != 2.0**16:
             raise RuntimeError(f"{name}: the scale moved ({scaler.get_scale()}), so samples are not alike")
@@ -141,6 +157,7 @@ def report(n_params: int, layers: int, samples: dict[str, list[float]]) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run (default cpu)")
     parser.add_argument("--repeats", type=int, default=30, help="interleaved samples per contender (default 30)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up samples per contender (default 3)")
     parser.add_argument("--inner", type=int, default=4, help="iterations averaged per sample (default 4)")
@@ -150,14 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 3:
         parser.error(f"--repeats must be at least 3 for a median and quartiles. Received: {args.repeats}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device")
 
     torch.set_num_threads(args.threads)
     info = machine()
+    if args.device == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name()}, CUDA {torch.version.cuda}")
     print(
         f"torch {info['torch']}, mixprec {info['mixprec']}, {info['cpu']} ({info['logical_cpus']} logical CPUs, "
         f"{info['cpu_capability']}), threads {info['threads']}, repeats {args.repeats} x inner {args.inner}"
     )
-    n_params, samples = run(args.layers, args.repeats, args.warmup, args.inner)
+    n_params, samples = run(args.layers, args.repeats, args.warmup, args.inner, args.device)
     row = report(n_params, args.layers, samples)
     if args.json:
         with open(args.json, "w") as f:
