@@ -152,4 +152,4 @@ def test_a_treatment_without_its_target_or_with_an_unknown_one_is_refused():
     with pytest.raises(ValueError, match="promote and ban take no target format"):
         Treatment(Action.PROMOTE, "float32")
     with pytest.raises(ValueError, match="Unknown format"):
-        Treatment(Action.CAST, "float8_e4m3fn")
+        Treatment(Action.CAST, "float8_e4m3fnuz")

@@ -392,6 +392,14 @@ top_saved_tensors_hooks: Callable[[bool], Any] = torch._C._autograd._top_saved_t
 graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
 
+def scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``torch._scaled_mm``: ``(a * scale_a) @ (b * scale_b)`` of fp8 operands, accumulated in float32, in
+    ``out_dtype`` (private in every supported release; the same signature in 2.10 to 2.15)."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
 def raw_op(op: torch._ops.OpOverload) -> Callable[..., Any]:
     """What calling ``op`` calls (``OpOverload._op``): the same call less ``OpOverload.__call__``'s frame; ``op``
     itself where a release has no such attribute."""

@@ -1,9 +1,11 @@
 """The formats an op can run in: the targets of the categories (``_category.TREATMENTS``).
 
-A format says which dtype a category's casts aim at. Today there are two: the
-region's lower-precision dtype (``"region"``: bfloat16 or float16, whichever
-the region was entered with) and ``"float32"``. A new format is one entry in
-``FORMATS``; a category that runs in it names it as its target (see
+A format says which dtype a category's casts aim at: the region's
+lower-precision dtype (``"region"``: bfloat16 or float16, whichever the region
+was entered with), ``"float32"``, and the two fp8 formats that an fp8 recipe
+quantises to (``"float8_e4m3fn"`` for inputs and weights, ``"float8_e5m2"``
+for gradients, by default: ``_recipe.Fp8Recipe``). A new format is one entry
+in ``FORMATS``; a category that runs in it names it as its target (see
 ``docs/design.md``, "How fp8 plugs in").
 """
 
@@ -38,6 +40,10 @@ class Format:
 
 REGION = "region"
 FLOAT32 = "float32"
+E4M3 = "float8_e4m3fn"
+E5M2 = "float8_e5m2"
+#: The formats an fp8 recipe may quantise to.
+FP8_FORMATS = (E4M3, E5M2)
 
 #: Every format a category can target, by name.
 FORMATS: dict[str, Format] = {
@@ -45,6 +51,8 @@ FORMATS: dict[str, Format] = {
     for f in (
         Format(REGION, None, cached=True),
         Format(FLOAT32, torch.float32, cached=False),
+        Format(E4M3, torch.float8_e4m3fn, cached=False),  # (fp8 keeps its own weight casts: engine._fp8)
+        Format(E5M2, torch.float8_e5m2, cached=False),
     )
 }
 

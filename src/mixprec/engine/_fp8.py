@@ -1,0 +1,155 @@
+"""fp8 compute: a linear's three GEMMs in fp8 through ``torch._scaled_mm``, as an ``fp8`` op runs them.
+
+For ``y = x @ w.t() + b`` (``x`` flattened to 2-D, ``M x K``; ``w`` is ``N x K``) under an ``Fp8Recipe``::
+
+    forward   xq, sx = quantise(x, recipe.forward)          wq, sw = quantise(w, recipe.forward)
+              y  = _scaled_mm(xq, wq.t(), 1/sx, 1/sw, out_dtype) + b          (float32 accumulation)
+    backward  gq, sg = quantise(grad_y, recipe.backward)
+              grad_x = _scaled_mm(gq, w's fp8 as a column-major N x K, ...)   (grad_y @ w)
+              grad_w = _scaled_mm(gq.t() row-major, x's fp8 column-major, ...)  (grad_y.t() @ x)
+              grad_b = grad_y summed over rows
+
+    quantise(t, format): scale = finfo(format).max / max(amax(t), eps)   [rounded down to 2**k: power_of_2]
+                         q = clamp(t * scale, ±finfo(format).max).to(format), and 1/scale for _scaled_mm
+
+Tensorwise scaling takes one amax per tensor; rowwise one per row of each GEMM operand along the contracted
+dimension, so each GEMM requantises its operands from the high-precision tensors saved in forward.
+Quantisation is plain torch ops (amax, multiply, clamp, cast), which a compiler can fuse; only
+``_scaled_mm`` is opaque.
+
+``_scaled_mm`` on CUDA takes a row-major first operand, a column-major second one, dimensions that are
+multiples of 16, and at most one e5m2 operand; on CPU it takes more. Every device gets CUDA's rules here
+(``aligned`` and the layouts below), so CPU tests catch what a GPU would refuse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixprec import _compat, _errors
+from mixprec.policies._format import FORMATS
+from mixprec.policies._recipe import Fp8Recipe
+
+ALIGNMENT = 16  # every GEMM dimension a multiple of this (CUDA's rule)
+
+
+def format_dtype(name: str) -> torch.dtype:
+    """The fp8 dtype of a recipe's format name."""
+    dtype = FORMATS[name].dtype
+    if dtype is None or not dtype.is_floating_point or dtype.itemsize != 1:
+        raise ValueError(
+            _errors.message("Not an fp8 format", "an fp8 recipe quantises to one", received={"format": name})
+        )
+    return dtype
+
+
+def scale(amax: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe) -> torch.Tensor:
+    """The multiplier that maps ``amax`` to ``dtype``'s largest value (float32; eps guards a zero amax)."""
+    factor = torch.finfo(dtype).max / amax.float().clamp(min=recipe.eps)
+    if recipe.power_of_2:
+        factor = torch.exp2(torch.floor(torch.log2(factor)))
+    return factor
+
+
+def quantise(
+    t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, inverse_scale)``: ``t`` scaled, clamped and cast to ``dtype``, and what ``_scaled_mm`` multiplies it
+    back by. ``dim`` None: one scale for the tensor; else one per slice along ``dim`` (kept as a size-1 dim)."""
+    amax = t.detach().abs().amax() if dim is None else t.detach().abs().amax(dim=dim, keepdim=True)
+    factor = scale(amax, dtype, recipe)
+    limit = torch.finfo(dtype).max
+    q = (t.detach().float() * factor).clamp(-limit, limit).to(dtype)
+    return q, factor.reciprocal()
+
+
+def aligned(m: int, k: int, n: int) -> bool:
+    """Whether an ``m x k`` by ``k x n`` GEMM meets ``_scaled_mm``'s size rule on CUDA."""
+    return m % ALIGNMENT == 0 and k % ALIGNMENT == 0 and n % ALIGNMENT == 0
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t.t().contiguous().t()
+
+
+def scaled_mm(
+    a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``(a * a_inv) @ (b * b_inv)`` in ``out_dtype`` with float32 accumulation: ``a`` row-major, ``b``
+    column-major, as CUDA requires (refused otherwise, on every device)."""
+    (m, k), n = a.shape, b.shape[1]
+    if not aligned(m, k, n) or not a.is_contiguous() or not b.t().is_contiguous():
+        raise RuntimeError(
+            _errors.message(
+                "An fp8 GEMM was called with shapes or layouts CUDA refuses",
+                "torch._scaled_mm on CUDA needs a row-major first operand, a column-major second one and "
+                f"every dimension a multiple of {ALIGNMENT}",
+                received={"a": f"{list(a.shape)} stride {a.stride()}", "b": f"{list(b.shape)} stride {b.stride()}"},
+                fix="This is a mixprec bug: ops with unaligned shapes run in the region's dtype instead.",
+            )
+        )
+    return _compat.scaled_mm(a, b, a_inv, b_inv, out_dtype)
+
+
+def _grad_dtype(t: torch.Tensor) -> torch.dtype:
+    return t.dtype if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        recipe: Fp8Recipe,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        rowwise = recipe.scaling == "rowwise"
+        forward = format_dtype(recipe.forward)
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, sx = quantise(x2, forward, recipe, 1 if rowwise else None)
+        wq, sw = quantise(weight, forward, recipe, 1 if rowwise else None)
+        y = scaled_mm(xq.contiguous(), sx, wq.t(), sw.reshape(1, -1) if rowwise else sw, out_dtype)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        if rowwise:  # each backward GEMM scales along its own contracted dimension: requantise from these
+            ctx.save_for_backward(x2, weight)
+        else:
+            ctx.save_for_backward(xq, sx, wq, sw)
+        ctx.recipe, ctx.shape, ctx.has_bias = recipe, x.shape, bias is not None
+        ctx.dtypes = (_grad_dtype(x), _grad_dtype(weight), bias.dtype if bias is not None else None)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        recipe: Fp8Recipe = ctx.recipe
+        backward, forward = format_dtype(recipe.backward), format_dtype(recipe.forward)
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        if recipe.scaling == "rowwise":
+            x2, weight = ctx.saved_tensors
+            gq_rows, sg_rows = quantise(g, backward, recipe, 1)  # grad_x = g @ w: contracted over N
+            wq_cols, sw_cols = quantise(weight, forward, recipe, 0)
+            grad_x = scaled_mm(gq_rows.contiguous(), sg_rows, _column_major(wq_cols), sw_cols, x_dtype)
+            gq_cols, sg_cols = quantise(g, backward, recipe, 0)  # grad_w = g.t() @ x: contracted over M
+            xq_cols, sx_cols = quantise(x2, forward, recipe, 0)
+            a, a_inv = gq_cols.t().contiguous(), sg_cols.reshape(-1, 1)  # (a transpose keeps its strides)
+            grad_w = scaled_mm(a, a_inv, _column_major(xq_cols), sx_cols, w_dtype)
+        else:
+            xq, sx, wq, sw = ctx.saved_tensors
+            gq, sg = quantise(g, backward, recipe, None)
+            grad_x = scaled_mm(gq.contiguous(), sg, _column_major(wq), sw, x_dtype)
+            grad_w = scaled_mm(gq.t().contiguous(), sg, _column_major(xq), sx, w_dtype)
+        grad_b = g.float().sum(0).to(b_dtype) if ctx.has_bias else None
+        return grad_x.reshape(ctx.shape), grad_w, grad_b, None, None
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with its three GEMMs in fp8 under ``recipe``, the output in ``out_dtype``.
+    The caller checks ``aligned`` first (an unaligned call runs in the region's dtype instead)."""
+    return _Fp8Linear.apply(x, weight, bias, recipe, out_dtype)  # type: ignore[no-any-return]

@@ -1,0 +1,144 @@
+"""fp8 compute (``engine._fp8``) against an independent emulation, on CPU.
+
+The emulation quantises with ``.to(fp8).float()``, multiplies in float32 and rescales, written here from the
+recipe's definition (``policies._recipe``), not from mixprec's code. ``torch._scaled_mm`` on CPU matches it to
+float32 rounding, so forward values and both gradients are compared at a tight tolerance, for every dynamic
+recipe, with saturation and all-zero inputs, and CUDA's size and layout rules are enforced on CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mixprec.engine import _fp8
+from mixprec.policies._recipe import Fp8Recipe
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+RECIPES = {
+    "tensorwise": Fp8Recipe(),
+    "tensorwise-pow2": Fp8Recipe(power_of_2=True),
+    "rowwise": Fp8Recipe(scaling="rowwise"),
+    "rowwise-pow2-e4m3-grads": Fp8Recipe(scaling="rowwise", power_of_2=True, backward="float8_e4m3fn"),
+}
+
+
+def _q(t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None) -> torch.Tensor:
+    """``t`` as the fp8 GEMM sees it, back in float32: quantised by the recipe's definition and rescaled."""
+    top = torch.finfo(dtype).max
+    amax = t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    s = top / amax.clamp(min=recipe.eps)
+    if recipe.power_of_2:
+        s = 2.0 ** torch.floor(torch.log2(s))
+    return (t * s).clamp(-top, top).to(dtype).float() / s
+
+
+def _emulated(x, w, b, g, recipe):
+    """(y, grad_x, grad_w, grad_b) of ``y = x @ w.t() + b`` with the GEMMs emulated in float32."""
+    fwd = {"float8_e4m3fn": E4M3, "float8_e5m2": E5M2}[recipe.forward]
+    bwd = {"float8_e4m3fn": E4M3, "float8_e5m2": E5M2}[recipe.backward]
+    rows = recipe.scaling == "rowwise"
+    y = _q(x, fwd, recipe, 1 if rows else None) @ _q(w, fwd, recipe, 1 if rows else None).t() + b
+    grad_x = _q(g, bwd, recipe, 1 if rows else None) @ _q(w, fwd, recipe, 0 if rows else None)
+    grad_w = _q(g, bwd, recipe, 0 if rows else None).t() @ _q(x, fwd, recipe, 0 if rows else None)
+    return y, grad_x, grad_w, g.sum(0)
+
+
+def _inputs(m=32, k=64, n=48, seed=0, outlier=None):
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) * 0.1
+    if outlier is not None:
+        x[0, 0] = outlier
+    return x, w, torch.randn(n, generator=gen), torch.randn(m, n, generator=gen)
+
+
+def _run(x, w, b, g, recipe, out_dtype=torch.float32):
+    x, w, b = (t.clone().requires_grad_(True) for t in (x, w, b))
+    y = _fp8.linear(x, w, b, recipe, out_dtype)
+    y.backward(g.to(y.dtype))
+    return y, x.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("recipe", RECIPES.values(), ids=RECIPES.keys())
+@pytest.mark.parametrize("outlier", [None, 1e6, 1e-30], ids=["plain", "saturating-outlier", "tiny-outlier"])
+def test_forward_and_both_gradients_match_the_emulation(recipe, outlier):
+    x, w, b, g = _inputs(outlier=outlier)
+    ours = _run(x, w, b, g, recipe)
+    expected = _emulated(x, w, b, g, recipe)
+    for name, a, e in zip(("y", "grad_x", "grad_w", "grad_b"), ours, expected, strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        assert torch.isfinite(a).all(), name
+
+
+@pytest.mark.parametrize("recipe", RECIPES.values(), ids=RECIPES.keys())
+def test_all_zero_inputs_give_zeros_not_nans(recipe):
+    x, w, b, g = (torch.zeros_like(t) for t in _inputs())
+    y, grad_x, grad_w, grad_b = _run(x, w, b, g, recipe)
+    for t in (y, grad_x, grad_w, grad_b):
+        assert torch.isfinite(t).all() and not t.any()
+
+
+def test_values_beyond_the_format_saturate_instead_of_overflowing():
+    """With a scale forced small (a huge eps), the scaled values exceed e5m2's range: clamped, not inf."""
+    recipe = Fp8Recipe(eps=1e30)
+    q, inverse = _fp8.quantise(torch.full((16, 16), 3.0), E5M2, recipe, None)
+    assert torch.isfinite(q.float()).all() and inverse.item() == pytest.approx(1e30 / torch.finfo(E5M2).max)
+    huge = torch.tensor([[1e38, -1e38]]).repeat(16, 8)
+    q, _ = _fp8.quantise(huge, E5M2, Fp8Recipe(eps=1e-12), None)
+    assert q.float().abs().max() == torch.finfo(E5M2).max
+
+
+def test_power_of_2_scales_are_powers_of_two():
+    _, inverse = _fp8.quantise(torch.randn(32, 32) * 3, E4M3, Fp8Recipe(power_of_2=True), 1)
+    exponent = torch.log2(inverse)
+    assert torch.equal(exponent, exponent.round())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_output_is_in_the_asked_dtype_and_gradients_in_the_inputs(out_dtype):
+    x, w, b, g = _inputs()
+    y, grad_x, grad_w, grad_b = _run(x.reshape(2, 16, 64), w, b, g.reshape(2, 16, 48), Fp8Recipe(), out_dtype)
+    assert y.dtype is out_dtype and y.shape == (2, 16, 48)
+    assert (grad_x.dtype, grad_x.shape, grad_w.dtype, grad_b.dtype) == (
+        torch.float32,
+        (2, 16, 64),
+        torch.float32,
+        torch.float32,
+    )
+
+
+def test_cuda_rules_are_enforced_on_every_device():
+    a, inv = _fp8.quantise(torch.randn(32, 64), E4M3, Fp8Recipe(), None)
+    b, _ = _fp8.quantise(torch.randn(48, 64), E4M3, Fp8Recipe(), None)
+    assert _fp8.scaled_mm(a, inv, b.t(), inv, torch.float32).shape == (32, 48)
+    with pytest.raises(RuntimeError, match="column-major second one"):
+        _fp8.scaled_mm(a, inv, b.t().contiguous(), inv, torch.float32)  # a row-major second operand
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        _fp8.scaled_mm(a[:30], inv, b.t(), inv, torch.float32)
+    assert _fp8.aligned(32, 64, 48) and not _fp8.aligned(32, 64, 40)
+
+
+def test_error_against_float32_is_fp8s():
+    """The block's relative error against float32 is the fp8 one the notes measured (a few percent)."""
+    x, w, b, g = _inputs(m=64, k=256, n=128, seed=3)
+    y, *_ = _run(x, w, b, g, Fp8Recipe())
+    exact = x @ w.t() + b
+    error = ((y - exact).norm() / exact.norm()).item()
+    assert 1e-3 < error < 8e-2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"scaling": "blockwise"}, "scaling"),
+        ({"power_of_2": 1}, "power_of_2"),
+        ({"history": 0}, "history"),
+        ({"eps": 0.0}, "eps"),
+        ({"eps": float("inf")}, "eps"),
+        ({"forward": "bfloat16"}, "forward"),
+        ({"backward": "float8_e4m3fnuz"}, "backward"),
+    ],
+)
+def test_bad_recipes_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Fp8Recipe(**kwargs)
