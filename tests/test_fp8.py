@@ -142,3 +142,29 @@ def test_error_against_float32_is_fp8s():
 def test_bad_recipes_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Fp8Recipe(**kwargs)
+
+
+def test_a_weight_is_quantised_once_per_step_and_again_after_the_optimizer_moves_it(monkeypatch):
+    """The weight's quantisation is kept while its version counter stands still; an optimizer step (an in-place
+    update) bumps it, so the next call quantises the new values; a dead weight leaves no entry."""
+    from mixprec import engine
+
+    engine.reset()
+    calls = []
+    real = _fp8.quantise
+    monkeypatch.setattr(_fp8, "quantise", lambda t, *a: calls.append(t.shape) or real(t, *a))
+    x, w, *_ = _inputs()
+    weight = torch.nn.Parameter(w.clone())
+    recipe = Fp8Recipe()
+    first = _fp8.linear(x, weight, None, recipe, torch.float32)
+    again = _fp8.linear(x, weight, None, recipe, torch.float32)
+    assert torch.equal(first, again) and calls.count(weight.shape) == 1  # quantised once for both calls
+    weight.grad = torch.ones_like(weight)
+    torch.optim.SGD([weight], lr=0.5).step()
+    moved = _fp8.linear(x, weight, None, recipe, torch.float32)
+    assert calls.count(weight.shape) == 2
+    fresh = _fp8.linear(x, torch.nn.Parameter(weight.detach().clone()), None, recipe, torch.float32)
+    assert torch.equal(moved, fresh) and not torch.equal(moved, first)
+    del weight, fresh, first, again, moved  # (the outputs' graphs hold the weight)
+    assert not _fp8._weights  # (entries die with their weights)
+    engine.reset()

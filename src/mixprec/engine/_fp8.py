@@ -15,7 +15,8 @@ For ``y = x @ w.t() + b`` (``x`` flattened to 2-D, ``M x K``; ``w`` is ``N x K``
 Tensorwise scaling takes one amax per tensor; rowwise one per row of each GEMM operand along the contracted
 dimension, so each GEMM requantises its operands from the high-precision tensors saved in forward.
 Quantisation is plain torch ops (amax, multiply, clamp, cast), which a compiler can fuse; only
-``_scaled_mm`` is opaque.
+``_scaled_mm`` is opaque. In eager mode a weight's quantisation is kept while the weight's version counter
+is unchanged (``quantise_weight``), so each weight is quantised once per optimizer step.
 
 ``_scaled_mm`` on CUDA takes a row-major first operand, a column-major second one, dimensions that are
 multiples of 16, and at most one e5m2 operand; on CPU it takes more. Every device gets CUDA's rules here
@@ -24,6 +25,7 @@ multiples of 16, and at most one e5m2 operand; on CPU it takes more. Every devic
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -63,6 +65,37 @@ def quantise(
     limit = torch.finfo(dtype).max
     q = (t.detach().float() * factor).clamp(-limit, limit).to(dtype)
     return q, factor.reciprocal()
+
+
+#: A weight's quantisations: ``(id(weight), dtype, recipe, dim)`` -> (a weak reference to the weight, its
+#: version counter then, ``(q, inverse_scale)``). An optimizer's step bumps the version, so an entry is used
+#: only while the weight is unchanged: a weight is quantised once per step however often it is used.
+_weights: dict[tuple[int, torch.dtype, Fp8Recipe, int | None], tuple[Any, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+
+def quantise_weight(
+    weight: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantise`` for a weight, kept while the weight's version is unchanged (not while tracing: a compiled
+    graph quantises in the graph, where the compiler fuses it; not for a delayed recipe, whose scale moves)."""
+    if _compat.tracing() or recipe.scaling == "delayed":
+        return quantise(weight, dtype, recipe, dim)
+    key = (id(weight), dtype, recipe, dim)
+    found = _weights.get(key)
+    if found is not None and found[0]() is weight and found[1] == weight._version:
+        return found[2]
+    out = quantise(weight, dtype, recipe, dim)
+
+    def forget(_: object) -> None:
+        _weights.pop(key, None)
+
+    _weights[key] = (weakref.ref(weight, forget), weight._version, out)
+    return out
+
+
+def clear_weight_cache() -> None:
+    """Drop every kept weight quantisation (``mixprec.engine.reset``)."""
+    _weights.clear()
 
 
 def aligned(m: int, k: int, n: int) -> bool:
@@ -111,7 +144,7 @@ class _Fp8Linear(torch.autograd.Function):
         forward = format_dtype(recipe.forward)
         x2 = x.reshape(-1, x.shape[-1])
         xq, sx = quantise(x2, forward, recipe, 1 if rowwise else None)
-        wq, sw = quantise(weight, forward, recipe, 1 if rowwise else None)
+        wq, sw = quantise_weight(weight, forward, recipe, 1 if rowwise else None)
         y = scaled_mm(xq.contiguous(), sx, wq.t(), sw.reshape(1, -1) if rowwise else sw, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -132,7 +165,7 @@ class _Fp8Linear(torch.autograd.Function):
         if recipe.scaling == "rowwise":
             x2, weight = ctx.saved_tensors
             gq_rows, sg_rows = quantise(g, backward, recipe, 1)  # grad_x = g @ w: contracted over N
-            wq_cols, sw_cols = quantise(weight, forward, recipe, 0)
+            wq_cols, sw_cols = quantise_weight(weight, forward, recipe, 0)
             grad_x = scaled_mm(gq_rows.contiguous(), sg_rows, _column_major(wq_cols), sw_cols, x_dtype)
             gq_cols, sg_cols = quantise(g, backward, recipe, 0)  # grad_w = g.t() @ x: contracted over M
             xq_cols, sx_cols = quantise(x2, forward, recipe, 0)
