@@ -51,7 +51,9 @@ CPU, CUDA = mixprec.policies.CPU, mixprec.policies.CUDA
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
 LINEAR_FP32 = CPU.with_ops(fp32=["linear"])
 NOT_OPS = ("aten::no_such_op", "no_such_op", "mylib::nothing")  # names of ops torch lacks
-CATEGORY_CHOICES = "Expected one of: lower_precision_fp, fp32, fp32_set_opt_dtype, fp32_append_dtype, promote, banned"
+CATEGORY_CHOICES = (
+    "Expected one of: lower_precision_fp, fp32, fp32_set_opt_dtype, fp32_append_dtype, promote, banned, fp8"
+)
 DEVICE_CHOICES = "Expected one of: cpu, cuda, hpu, ipu, maia, mps, mtia, xla, xpu"
 LOW_CHOICES = "Expected one of: bfloat16, float16"
 OP_EXPECTED = "Expected an op name in ATen or docs spelling"
@@ -116,7 +118,7 @@ POLICY_FILES: dict[str, tuple[str | bytes, type[Exception], tuple[str, ...]]] = 
     "base-int": ("base = 1\n", ValueError, ("base=1", "Expected one of: CPU, CUDA")),
     "unknown-key": ('base = "CPU"\n[opps]\nfp32 = ["mm"]\n',
         ValueError, ("key='opps'", "name, base, ops, without_ops")),
-    "unknown-category": ('[ops]\nfp8 = ["mm"]\n', ValueError, ("category='fp8'", CATEGORY_CHOICES)),
+    "unknown-category": ('[ops]\nfp4 = ["mm"]\n', ValueError, ("category='fp4'", CATEGORY_CHOICES)),
     "ops-not-a-list": ("[ops]\nfp32 = 3\n", ValueError, ("ops=3", "Expected a list of strings")),
     "ops-nested-table": ("[ops.fp32]\nmm = true\n", ValueError, ("ops={'mm': True}", "Expected a list of strings")),
     "op-not-a-string": ("[ops]\nfp32 = [3]\n", ValueError, ("ops=[3]", "Expected a list of strings")),
@@ -481,7 +483,7 @@ CUSTOM_ROWS = [
 ]
 
 CATEGORY_ROWS = [
-    row("category-unknown", Category, "fp8", raises=ValueError, names=("category='fp8'", CATEGORY_CHOICES)),
+    row("category-unknown", Category, "fp4", raises=ValueError, names=("category='fp4'", CATEGORY_CHOICES)),
     row("category-upper-case", Category, "FP32", raises=ValueError, names=("category='FP32'", CATEGORY_CHOICES)),
     row("category-int", Category, 3, raises=TypeError, names=("category=3 (type builtins.int)", CATEGORY_CHOICES)),
     row("category-list", Category, ["fp32"], raises=TypeError, names=("category=['fp32']", CATEGORY_CHOICES)),
@@ -502,8 +504,8 @@ POLICY_ROWS = [
     row("policy-base-int", Policy, "p", {}, 1, raises=TypeError, names=("base=1", "CPU, CUDA")),
     row("from-lists-not-a-mapping", Policy.from_lists, "p", ["mm"], raises=TypeError,
         names=("lists=['mm']", "Expected a mapping")),
-    row("from-lists-unknown-category", Policy.from_lists, "p", {"fp8": ["mm"]}, raises=ValueError,
-        names=("category='fp8'", CATEGORY_CHOICES)),
+    row("from-lists-unknown-category", Policy.from_lists, "p", {"fp4": ["mm"]}, raises=ValueError,
+        names=("category='fp4'", CATEGORY_CHOICES)),
     row("from-lists-op-int", Policy.from_lists, "p", {"fp32": [3]}, raises=ValueError,
         names=("fp32=[3]", "Expected a list of strings")),
     row("from-lists-ops-int", Policy.from_lists, "p", {"fp32": 3}, raises=ValueError,
@@ -511,8 +513,8 @@ POLICY_ROWS = [
     row("from-lists-name-none", Policy.from_lists, None, {}, raises=TypeError, names=("name=None", "Expected a str")),
     row("from-lists-base-unknown", Policy.from_lists, "p", {}, "GPU", raises=ValueError,
         names=("base='GPU'", "CPU, CUDA")),
-    row("with-ops-unknown-category", Policy.with_ops, CPU, fp8=["mm"], raises=ValueError,
-        names=("category='fp8'", CATEGORY_CHOICES)),
+    row("with-ops-unknown-category", Policy.with_ops, CPU, fp4=["mm"], raises=ValueError,
+        names=("category='fp4'", CATEGORY_CHOICES)),
     row("with-ops-category-case", Policy.with_ops, CPU, FP32=["mm"], raises=ValueError,
         names=("category='FP32'", CATEGORY_CHOICES)),
     row("with-ops-none", Policy.with_ops, CPU, fp32=None, raises=TypeError, names=("ops=None", OP_EXPECTED)),
@@ -580,7 +582,7 @@ _DICTS: list[tuple[str, object, type[Exception], tuple[str, ...]]] = [
     ("base-list", {"base": ["CPU"]}, ValueError, ("base=['CPU']", "CPU, CUDA")),
     ("name-int", {"name": 3}, ValueError, ("name=3", "Expected a string")),
     ("ops-list", {"ops": ["mm"]}, ValueError, ("ops=['mm']", "Expected a table such as")),
-    ("ops-unknown-category", {"ops": {"fp8": ["mm"]}}, ValueError, ("category='fp8'", CATEGORY_CHOICES)),
+    ("ops-unknown-category", {"ops": {"fp4": ["mm"]}}, ValueError, ("category='fp4'", CATEGORY_CHOICES)),
     ("ops-category-int", {"ops": {3: ["mm"]}}, TypeError, ("category=3", CATEGORY_CHOICES)),
     ("ops-not-a-list", {"ops": {"fp32": 3}}, ValueError, ("ops=3", "Expected a list of strings")),
     ("ops-callable", {"ops": {"fp32": [torch.mm]}}, ValueError, ("ops=[<built-in method mm", "a list of strings")),

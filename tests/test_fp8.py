@@ -168,3 +168,128 @@ def test_a_weight_is_quantised_once_per_step_and_again_after_the_optimizer_moves
     del weight, fresh, first, again, moved  # (the outputs' graphs hold the weight)
     assert not _fp8._weights  # (entries die with their weights)
     engine.reset()
+
+
+# ---------------------------------------------------------------- the fp8 category in a region
+
+import mixprec  # noqa: E402
+from mixprec.policies._recipe import TENSORWISE  # noqa: E402
+
+FP8 = mixprec.policies.CPU.with_ops(fp8=["linear", "mm", "addmm", "matmul"])
+
+
+def _region(dtype=torch.bfloat16, policy=FP8):
+    return mixprec.autocast("cpu", dtype=dtype, policy=policy, compute="native")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_ops_in_the_fp8_category_run_the_fp8_gemms_with_the_output_in_the_region_dtype(dtype):
+    torch.manual_seed(0)
+    x, w, b = torch.randn(32, 64), torch.randn(48, 64), torch.randn(48)
+    with _region(dtype):
+        calls = {
+            "linear": torch.nn.functional.linear(x, w, b),
+            "mm": torch.mm(x, w.t()),  # a transposed (non-contiguous) second operand
+            "addmm": torch.addmm(b, x, w.t()),
+            "matmul": torch.matmul(x.reshape(2, 16, 64), w.t()),
+        }
+    expected = {
+        "linear": _fp8.linear(x, w, b, TENSORWISE, dtype),
+        "mm": _fp8.linear(x, w, None, TENSORWISE, dtype),
+        "addmm": _fp8.linear(x, w, b, TENSORWISE, dtype),
+        "matmul": _fp8.linear(x.reshape(2, 16, 64), w, None, TENSORWISE, dtype),
+    }
+    for name, out in calls.items():
+        assert out.dtype is dtype, name
+        assert torch.equal(out, expected[name]), name
+
+
+def test_calls_fp8_cannot_run_fall_back_to_the_region_dtype_as_lower_precision_fp():
+    torch.manual_seed(0)
+    x, w, b = torch.randn(30, 64), torch.randn(48, 64), torch.randn(48)  # 30 rows: not a multiple of 16
+    cases = {
+        "unaligned": lambda: torch.nn.functional.linear(x, w),
+        "float64": lambda: torch.nn.functional.linear(x.double(), w.double()),
+        "addmm-scaled": lambda: torch.addmm(b, x[:16], w.t(), beta=0.5),
+        "3-d second operand": lambda: torch.matmul(x[:16].reshape(1, 16, 64), w.t().reshape(1, 64, 48)),
+    }
+    for name, call in cases.items():
+        with _region():
+            ours = call()
+        with _region(policy=mixprec.policies.CPU):
+            native = call()
+        assert ours.dtype is native.dtype and torch.equal(ours, native), name
+
+
+def test_fp8_training_gradients_and_checkpointing_are_bit_equal():
+    """A step of a small MLP under fp8: gradients with activation checkpointing (reentrant and not) equal those
+    without it (the recompute quantises the same values with the same recipe)."""
+
+    def grads(mode):
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        x = torch.randn(32, 64, requires_grad=True)  # (the reentrant checkpoint needs an input that does)
+        with _region():
+            if mode == "plain":
+                out = net(x)
+            else:
+                out = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=mode == "reentrant")
+        out.float().pow(2).mean().backward()
+        return [p.grad for p in net.parameters()] + [x.grad]
+
+    plain = grads("plain")
+    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in plain)
+    for mode in ("reentrant", "non-reentrant"):
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads(mode), strict=True)), mode
+
+
+def test_a_module_policy_keeps_a_layer_out_of_fp8():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    x = torch.randn(32, 64)
+    with _region():
+        with mixprec.set_module_policy(net[1], mixprec.policies.CPU):
+            out = net(x)
+        inner = net[0](x)
+    with _region(policy=mixprec.policies.CPU):
+        expected = net[1](inner)
+    assert torch.equal(out, expected)
+    assert torch.equal(inner, _fp8.linear(x, net[0].weight, net[0].bias, TENSORWISE, torch.bfloat16))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_fp8_equals_eager_within_float_tolerance(backend):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    x = torch.randn(32, 64)
+
+    def step(model):
+        with _region():
+            out = model(x)
+        out.float().pow(2).mean().backward()
+        grads = [p.grad.clone() for p in net.parameters()]
+        net.zero_grad()
+        return out, grads
+
+    eager_out, eager_grads = step(net)
+    torch._dynamo.reset()
+    compiled_out, compiled_grads = step(torch.compile(net, backend=backend))
+    assert compiled_out.dtype is torch.bfloat16
+    torch.testing.assert_close(compiled_out.float(), eager_out.float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(eager_grads, compiled_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_explain_policy_and_fx_pass_say_what_fp8_does(tmp_path):
+    why = mixprec.explain("linear", "cpu", FP8)
+    assert (why.category, why.target, why.runs_in) == ("fp8", "float8_e4m3fn", torch.bfloat16)
+    assert "float8_e4m3fn through torch._scaled_mm" in why.note
+    assert FP8.target("mm") == "float8_e4m3fn" and FP8.ops("fp8") == ("addmm", "linear", "matmul", "mm")
+    with pytest.raises(ValueError, match="Cannot put this op in fp8"):
+        mixprec.policies.CPU.with_ops(fp8=["conv2d"])
+    assert mixprec.Policy.from_dict(FP8.to_dict()) == FP8
+    (tmp_path / "fp8.toml").write_text(FP8.to_toml())
+    assert mixprec.Policy.from_file(tmp_path / "fp8.toml") == FP8
+    exported = torch.export.export(torch.nn.Linear(64, 32), (torch.randn(32, 64),)).module()
+    with pytest.raises(NotImplementedError, match="does not write fp8 GEMMs into a graph yet"):
+        mixprec.graph.apply_policy(exported, FP8, torch.bfloat16, device_type="cpu")

@@ -47,8 +47,8 @@ def test_category_by_name_or_callable(policy, op, category):
 
 def test_ops_and_unknown_category():
     assert "mm" in mixprec.policies.CPU.ops("lower_precision_fp")
-    with pytest.raises(ValueError, match=r"category='fp8'.*Expected one of: lower_precision_fp, fp32"):
-        mixprec.policies.CPU.ops("fp8")
+    with pytest.raises(ValueError, match=r"category='fp4'.*Expected one of: lower_precision_fp, fp32"):
+        mixprec.policies.CPU.ops("fp4")
 
 
 def test_policies_are_built_lazily_and_once():
@@ -90,8 +90,9 @@ def test_documented_cpu_list_differs_from_native_on_conv_transpose():
 
 
 def test_each_category_is_atens_action_and_target():
-    """ATen's cast policies (autocast_mode.h) read as data: what each does and which format it aims at."""
-    from mixprec.policies._category import TREATMENTS
+    """ATen's cast policies (autocast_mode.h) read as data, and mixprec's fp8: what each does and which format it
+    aims at."""
+    from mixprec.policies._category import ATEN_CATEGORIES, TREATMENTS
 
     found = {c.value: (c.action.value, c.target) for c in mixprec.policies.Category}
     assert found == {
@@ -101,8 +102,10 @@ def test_each_category_is_atens_action_and_target():
         "fp32_append_dtype": ("append_dtype", "float32"),
         "promote": ("promote", None),
         "banned": ("ban", None),
+        "fp8": ("scaled_mm", "float8_e4m3fn"),
     }
     assert set(TREATMENTS) == set(mixprec.policies.Category)
+    assert {c.value for c in ATEN_CATEGORIES} == set(found) - {"fp8"}
 
 
 @pytest.mark.parametrize("region", [torch.bfloat16, torch.float16])

@@ -109,6 +109,10 @@ def _base(name: str) -> mixprec.Policy:
     return getattr(mixprec.policies, name)
 
 
+def _fp8_op(name: str) -> bool:
+    return name.removeprefix("aten::").split(".")[0] in _names.FP8_OPS
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(base=st.sampled_from(["CPU", "CUDA", "CPU_DOCUMENTED"]), steps=st.lists(_step, max_size=8))
 def test_edit_sequences_agree_with_a_dict_and_round_trip(base, steps, tmp_path):
@@ -119,6 +123,9 @@ def test_edit_sequences_agree_with_a_dict_and_round_trip(base, steps, tmp_path):
         if kind == "with" and category in _DTYPE_CATEGORIES and not all(n in _TAKE_DTYPE for n in names):
             with pytest.raises(ValueError, match=f"Cannot put this op in {category}.*takes no dtype argument"):
                 policy.with_ops(**{category: [op for op, _ in ops]})
+        elif kind == "with" and category == "fp8" and not all(_fp8_op(n) for n in names):
+            with pytest.raises(ValueError, match=r"Cannot put this op in fp8.*GEMMs of linear, mm, addmm and matmul"):
+                policy.with_ops(fp8=[op for op, _ in ops])
         elif kind == "with":
             policy = policy.with_ops(**{category: [op for op, _ in ops]})
             model.update(dict.fromkeys(names, category))
@@ -177,8 +184,8 @@ def _check_dtypes(policy: mixprec.Policy, model: dict[str, str]) -> None:
 
 
 def test_unknown_category_in_with_ops():
-    with pytest.raises(ValueError, match=r"category='fp8'.*Expected one of: lower_precision_fp, fp32, .*banned"):
-        CPU.with_ops(fp8=["mm"])
+    with pytest.raises(ValueError, match=r"category='fp4'.*Expected one of: lower_precision_fp, fp32, .*banned"):
+        CPU.with_ops(fp4=["mm"])
 
 
 def test_unknown_category_in_a_dict():

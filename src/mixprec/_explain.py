@@ -167,6 +167,8 @@ def explain(
         rule = None if category is None else _kernels.rule_for(policy, call.op, category)
         outcome = _explain_run.run(call, _run_device(device_type), dtype, rule, inputs)
         cast, runs_in, raises = outcome.cast_inputs, outcome.runs_in, outcome.raises
+    if category is not None and category.action is Action.SCALED_MM and raises is None:
+        notes.append(_FP8_NOTE.format(target=category.target, dtype=str(dtype).removeprefix("torch.")))
     return Explanation(
         op=name,
         entry=entry,
@@ -183,6 +185,12 @@ def explain(
         note="; ".join(notes) or None,
     )
 
+
+_FP8_NOTE = (
+    "fp8: where every tensor input is float32, bfloat16 or float16 on the device and the GEMM's sizes are "
+    "multiples of 16, the GEMM and both backward GEMMs run in {target} through torch._scaled_mm with the "
+    "policy's scaling recipe, the output in {dtype}; any other call runs in {dtype}"
+)
 
 _CUSTOM_NOTE = (
     "an unlisted custom op runs its kernel with autocast on, as native autocast falls through to it, "

@@ -123,6 +123,7 @@ def run_once(target: Target, region: contextlib.AbstractContextManager[Any], rec
 def _error_of(got: torch.Tensor, ref: torch.Tensor | None) -> tuple[float | None, float | None]:
     if ref is None or ref.shape != got.shape:
         return None, None
+    got, ref = (t.float() if t.element_size() == 1 else t for t in (got, ref))  # (fp8 has no isfinite)
     both = torch.isfinite(got) & torch.isfinite(ref)
     if not bool(both.any()):
         return None, None

@@ -74,8 +74,10 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 
 def nonfinite(tensors: list[torch.Tensor]) -> int:
-    """The number of inf/NaN values in the floating tensors."""
-    return sum(int((~torch.isfinite(t)).sum()) for t in tensors if t.is_floating_point())
+    """The number of inf/NaN values in the floating tensors (fp8 ones read as float32: torch has no isfinite
+    for them)."""
+    floating = [t.float() if t.element_size() == 1 else t for t in tensors if t.is_floating_point()]
+    return sum(int((~torch.isfinite(t)).sum()) for t in floating)
 
 
 def user_source() -> str:

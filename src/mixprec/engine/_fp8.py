@@ -58,12 +58,13 @@ def scale(amax: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe) -> torch.Te
 def quantise(
     t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, inverse_scale)``: ``t`` scaled, clamped and cast to ``dtype``, and what ``_scaled_mm`` multiplies it
-    back by. ``dim`` None: one scale for the tensor; else one per slice along ``dim`` (kept as a size-1 dim)."""
+    """``(q, inverse_scale)``: ``t`` scaled, clamped and cast to ``dtype`` (row-major), and what ``_scaled_mm``
+    multiplies it back by. ``dim`` None: one scale for the tensor; else one per slice along ``dim`` (kept as a
+    size-1 dim)."""
     amax = t.detach().abs().amax() if dim is None else t.detach().abs().amax(dim=dim, keepdim=True)
     factor = scale(amax, dtype, recipe)
     limit = torch.finfo(dtype).max
-    q = (t.detach().float() * factor).clamp(-limit, limit).to(dtype)
+    q = (t.detach().float() * factor).clamp(-limit, limit).to(dtype).contiguous()  # (row-major whatever t's strides)
     return q, factor.reciprocal()
 
 
@@ -178,6 +179,50 @@ class _Fp8Linear(torch.autograd.Function):
             grad_w = scaled_mm(gq.t().contiguous(), sg, _column_major(xq), sx, w_dtype)
         grad_b = g.float().sum(0).to(b_dtype) if ctx.has_bias else None
         return grad_x.reshape(ctx.shape), grad_w, grad_b, None, None
+
+
+def _eligible(t: object, device_type: str) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        and t.device.type == device_type
+        and t.layout is torch.strided
+    )
+
+
+def as_linear(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """``(x, weight, bias)`` such that the call is ``F.linear(x, weight, bias)`` and fp8 can run it: a linear,
+    mm, addmm (beta = alpha = 1, a 1-D bias) or matmul of a 2-D second operand, on float32, bfloat16 or float16
+    tensors of the region's device whose GEMM sizes are multiples of 16; None for any other call (it runs in
+    the region's dtype instead)."""
+    name = op.overloadpacket.__name__
+    if op._overloadname != "default":
+        return None
+    values = list(args) + list(kwargs.values())
+    if name == "linear":
+        x, weight, bias = (*args, None, None)[:3] if not kwargs else (args[0], args[1], kwargs.get("bias"))
+    elif name in ("mm", "matmul") and len(values) == 2:
+        x, other = args[0], args[1]
+        if not (isinstance(other, torch.Tensor) and other.dim() == 2):
+            return None
+        weight, bias = other.t(), None
+    elif name == "addmm" and kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1 and len(args) == 3:
+        bias, x, other = args
+        if not (isinstance(other, torch.Tensor) and isinstance(bias, torch.Tensor) and bias.dim() == 1):
+            return None
+        weight = other.t()
+    else:
+        return None
+    if not (_eligible(x, device_type) and _eligible(weight, device_type)) or weight.dim() != 2 or x.dim() < 2:
+        return None
+    if bias is not None and (not _eligible(bias, device_type) or bias.shape != (weight.shape[0],)):
+        return None
+    n, k = weight.shape
+    if x.shape[-1] != k or not aligned(x.numel() // k if k else 0, k, n) or x.numel() == 0:
+        return None
+    return x, weight, bias
 
 
 def linear(

@@ -22,6 +22,9 @@ The actions, as ATen's ``autocast_mode.h`` defines its categories::
     promote           cast eligible tensors to the widest eligible dtype: float32 if any is float32, else
                       the region's dtype; another low-precision dtype among them is an error
     ban               an error (the policy's advice) if any tensor argument is eligible (banned)
+    scaled_mm         the GEMM in the target fp8 format with scales, the output in the region's dtype, where
+                      every tensor argument is eligible and the GEMM's sizes are multiples of 16 (the rule
+                      checks the call); otherwise cast eligible tensors to the region's dtype (fp8)
 """
 
 from __future__ import annotations
@@ -44,12 +47,15 @@ _float64 = torch.float64
 class CastPlan:
     """What a call becomes under a category: its eligible tensors cast to ``cast_to`` (None: left as they are),
     ``dtype=dtype_arg`` passed (None: not), through the sibling overload that takes ``dtype`` if ``sibling``;
-    or, if ``error`` is set, a RuntimeError with that text instead of the call."""
+    or, if ``error`` is set, a RuntimeError with that text instead of the call. With ``scaled`` (an fp8
+    format's name), the GEMM runs in that format with scales and returns ``cast_to``; ``cast_to`` is also what
+    the call is cast to where it cannot run in fp8."""
 
     cast_to: torch.dtype | None = None
     dtype_arg: torch.dtype | None = None
     sibling: bool = False
     error: str | None = None
+    scaled: str | None = None
 
 
 #: The call as it is (no category, or a conditional category whose condition does not hold).
@@ -173,6 +179,19 @@ def _with_dtype(sibling: bool) -> Callable[[Format | None], _Decide]:
     return make
 
 
+def _scaled(target: Format | None) -> _Decide:
+    name = _needed(target).name
+    plans: dict[torch.dtype, CastPlan] = {}
+
+    def decide(region_dtype: torch.dtype, eligible_dtypes: Iterable[torch.dtype], first: bool, advice: str) -> CastPlan:
+        found = plans.get(region_dtype)
+        if found is None:
+            found = plans[region_dtype] = CastPlan(cast_to=region_dtype, scaled=name)
+        return found
+
+    return decide
+
+
 def _banned(region_dtype: torch.dtype, eligible_dtypes: Iterable[torch.dtype], first: bool, advice: str) -> CastPlan:
     return CastPlan(error=advice) if any(True for _ in eligible_dtypes) else AS_IS
 
@@ -186,6 +205,7 @@ _ACTIONS: dict[Action, Callable[[Format | None], _Decide]] = {
         region_dtype, eligible_dtypes
     ),
     Action.BAN: lambda target: _banned,
+    Action.SCALED_MM: _scaled,
 }
 
 #: Each category's rule: its action made for its target, once.

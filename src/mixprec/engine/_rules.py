@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from mixprec import _compat
-from mixprec.engine import _cast, _emulate, _plan
+from mixprec.engine import _cast, _emulate, _fp8, _plan
 from mixprec.policies import Category
 from mixprec.policies._category import Action
+from mixprec.policies._recipe import TENSORWISE, Fp8Recipe
 
 _Tensor = torch.Tensor
 _eligible = _plan.eligible_tensor
@@ -137,6 +138,24 @@ def banned(category: Category, advice: str) -> Rule:
     return rule
 
 
+def scaled(category: Category, recipe: Fp8Recipe) -> Rule:
+    """The rule of a ``scaled_mm`` category (``fp8``) under ``recipe``: a GEMM that fp8 can run (``_fp8.as_linear``)
+    runs in the plan's format with its output in the region's dtype; any other call is cast to the region's
+    dtype, as ``lower_precision_fp`` casts it."""
+    decide = _plan.decider(category)
+
+    def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
+        plan = decide(dtype, (), False, "")
+        found = _fp8.as_linear(op, args, kwargs, device)
+        if found is not None:
+            return _fp8.linear(*found, recipe, plan.cast_to)  # type: ignore[arg-type]
+        cast, cast_kwargs = _cast.cast_call(args, kwargs, plan.cast_to, device, True)  # type: ignore[arg-type]
+        return op(*cast, **cast_kwargs)
+
+    rule.__name__ = category.value
+    return rule
+
+
 #: What a kernel calls for its op: ``runner(args, kwargs)``, with the Autocast key excluded.
 Runner = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 
@@ -167,5 +186,7 @@ _MAKE: dict[Action, Callable[[Category], Rule]] = {
     Action.PROMOTE: _promoting,
 }
 
-#: Each category's rule, but banned ones.
+#: Each category's rule, but banned ones (and ``scaled_mm``'s with the default recipe: a policy's own recipe
+#: makes its own, ``_kernels.rule_for``).
 RULES: dict[Category, Rule] = {c: _MAKE[c.action](c) for c in Category if c.action in _MAKE}
+RULES.update({c: scaled(c, TENSORWISE) for c in Category if c.action is Action.SCALED_MM})

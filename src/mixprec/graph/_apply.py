@@ -177,6 +177,16 @@ class _Rewrite:
         )
         if plan.error is not None:
             raise RuntimeError(f"{plan.error}{_where(node)}")
+        if plan.scaled is not None:
+            raise NotImplementedError(
+                _errors.message(
+                    f"apply_policy cannot write {_tables.qualified(target)} in {category.value}{_where(node)}",
+                    "the FX pass does not write fp8 GEMMs into a graph yet, and running the op in the region's "
+                    "dtype instead would give a graph that silently differs from eager",
+                    fix="Run the model eagerly or under torch.compile in a mixprec.autocast region (both run the "
+                    "fp8 category), or move the op out of fp8 for the exported graph.",
+                )
+            )
         if plan.cast_to is not None:
             return target, *self.cast_all((args, kwargs), plan.cast_to)
         if plan.dtype_arg is not None:

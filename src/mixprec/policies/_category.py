@@ -2,7 +2,11 @@
 
 A category is two pieces of data (``TREATMENTS``): the action its rule takes on
 a call's arguments (``Action``, carried out by ``engine._plan``) and the target
-format it runs in (``_format.FORMATS``). ``lower_precision_fp`` and ``fp32`` are
+format it runs in (``_format.FORMATS``). ATen's six cast policies are the
+categories of torch's autocast; ``fp8`` is mixprec's own (``Action.SCALED_MM``
+aimed at ``float8_e4m3fn``: the GEMMs of ``linear``, ``mm``, ``addmm`` and
+``matmul`` in fp8 with an ``Fp8Recipe``'s scales, the output in the region's
+dtype). ``lower_precision_fp`` and ``fp32`` are
 one action, casting, aimed at two formats. A new category is a member here, its
 line in ``TREATMENTS`` and its ops in a policy's table; a new action is also one
 rule in ``engine._plan`` (and what the eager kernels do with it, ``engine._rules``).
@@ -14,7 +18,7 @@ import dataclasses
 import enum
 
 from mixprec import _errors
-from mixprec.policies._format import FLOAT32, REGION, Format, format_of
+from mixprec.policies._format import E4M3, FLOAT32, REGION, Format, format_of
 
 
 class Category(str, enum.Enum):
@@ -26,6 +30,7 @@ class Category(str, enum.Enum):
     FP32_APPEND_DTYPE = "fp32_append_dtype"  # append dtype=float32 (norm)
     PROMOTE = "promote"  # cast all inputs to the widest input dtype
     BANNED = "banned"  # raise, naming the safe alternative
+    FP8 = "fp8"  # mixprec's own: the GEMMs in fp8 with scales, the output in the autocast dtype
 
     def __str__(self) -> str:
         return self.value
@@ -62,6 +67,7 @@ class Action(str, enum.Enum):
     APPEND_DTYPE = "append_dtype"  # if the first tensor argument is eligible, the overload that adds dtype=target
     PROMOTE = "promote"  # cast the eligible tensor arguments to the widest of them
     BAN = "ban"  # raise if any tensor argument is eligible
+    SCALED_MM = "scaled_mm"  # quantise the GEMM's operands to the target with scales, run torch._scaled_mm
 
     def __str__(self) -> str:
         return self.value
@@ -101,7 +107,11 @@ TREATMENTS: dict[Category, Treatment] = {
     Category.FP32_APPEND_DTYPE: Treatment(Action.APPEND_DTYPE, FLOAT32),
     Category.PROMOTE: Treatment(Action.PROMOTE, None),
     Category.BANNED: Treatment(Action.BAN, None),
+    Category.FP8: Treatment(Action.SCALED_MM, E4M3),
 }
+
+#: The categories of ATen's autocast (``autocast_mode.h``); the others are mixprec's own.
+ATEN_CATEGORIES = tuple(c for c in Category if c is not Category.FP8)
 
 
 def _unknown_category(value: object) -> Exception:

@@ -183,8 +183,26 @@ def takes_dtype(name: str) -> bool:
     return not found
 
 
+#: The ops an fp8 category can run (their calls that are 2-D GEMMs after flattening: ``engine._fp8.as_linear``).
+FP8_OPS = ("linear", "mm", "addmm", "matmul")
+
+
 def check_dtype_category(category: Category, names: list[str]) -> None:
-    """ValueError if ``category`` passes dtype= and one of ``names`` takes no dtype argument."""
+    """ValueError if ``category`` passes dtype= and one of ``names`` takes no dtype argument, or if it runs GEMMs
+    in fp8 and one of ``names`` is not such a GEMM."""
+    if category.action is Action.SCALED_MM:
+        for name in names:
+            if name.removeprefix("aten::").split(".")[0] not in FP8_OPS:
+                raise ValueError(
+                    _errors.message(
+                        f"Cannot put this op in {category.value}",
+                        "fp8 runs the GEMMs of linear, mm, addmm and matmul through torch._scaled_mm only",
+                        received={"op": name},
+                        expected=list(FP8_OPS),
+                        fix="Leave the op in its category; its inputs still arrive in the region's dtype.",
+                    )
+                )
+        return
     if category.action not in _PASSES_DTYPE:
         return
     for name in names:
