@@ -44,11 +44,11 @@ FEATURES: dict[str, tuple[str, ...]] = {
 #: The tests that touch torch internals which move between releases: dynamo and inductor (compile, compiled,
 #: patterns), export and FX (graph), Autocast-key kernels (kernels, install), torch.autocast interplay and
 #: checkpoint recompute (interop, frameworks), the reference interpreter (differential), the release's own
-#: tables (compat) and a sample of the OpInfo comparison (cpu_opinfo).
+#: tables (compat), a sample of the OpInfo comparison (cpu_opinfo) and torch._scaled_mm (fp8).
 VERSION_SENSITIVE = (
     "test_compat.py", "test_compile.py", "test_compiled.py", "test_patterns.py", "test_graph.py",
     "test_kernels.py", "test_install.py", "test_interop.py", "test_frameworks.py", "test_differential.py",
-    "test_cpu_opinfo.py",
+    "test_cpu_opinfo.py", "test_fp8.py",
 )
 #: In the OpInfo sample: every op torch autocasts on CPU, and this share of the others (by a stable hash).
 OPINFO_SAMPLE_ONE_IN = 6

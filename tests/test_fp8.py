@@ -293,3 +293,53 @@ def test_explain_policy_and_fx_pass_say_what_fp8_does(tmp_path):
     exported = torch.export.export(torch.nn.Linear(64, 32), (torch.randn(32, 64),)).module()
     with pytest.raises(NotImplementedError, match="does not write fp8 GEMMs into a graph yet"):
         mixprec.graph.apply_policy(exported, FP8, torch.bfloat16, device_type="cpu")
+
+
+def test_the_policy_chooses_the_recipe_and_carries_it_through_toml(tmp_path):
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 64), torch.randn(48, 64)
+    x[0, 0] = 1e6  # an outlier: tensorwise scaling flushes the other rows to zero, rowwise keeps them
+    rowwise = FP8.with_fp8_recipe(scaling="rowwise", power_of_2=True)
+    assert rowwise.fp8 == Fp8Recipe(scaling="rowwise", power_of_2=True) and FP8.fp8 == TENSORWISE
+    assert rowwise != FP8 and rowwise.with_fp8_recipe(TENSORWISE) == FP8
+    outs = {}
+    for name, policy in (("tensorwise", FP8), ("rowwise", rowwise)):
+        with _region(policy=policy):
+            outs[name] = torch.nn.functional.linear(x, w)
+        assert torch.equal(outs[name], _fp8.linear(x, w, None, policy.fp8, torch.bfloat16)), name
+    exact = (x @ w.t())[1:]
+    error = {name: ((out.float()[1:] - exact).norm() / exact.norm()).item() for name, out in outs.items()}
+    assert error["rowwise"] < error["tensorwise"] / 4, error
+    assert rowwise.to_dict()["fp8"] == {"scaling": "rowwise", "power_of_2": True}
+    assert "fp8" not in FP8.to_dict()
+    (tmp_path / "rowwise.toml").write_text(rowwise.to_toml())
+    assert "[fp8]" in rowwise.to_toml() and mixprec.Policy.from_file(tmp_path / "rowwise.toml") == rowwise
+    assert mixprec.Policy.from_dict(rowwise.to_dict()) == rowwise
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (lambda: FP8.with_fp8_recipe(scaling="blockwise"), ValueError, "Fp8Recipe scaling is invalid"),
+        (lambda: FP8.with_fp8_recipe(granularity="row"), TypeError, "unknown field"),
+        (lambda: FP8.with_fp8_recipe("rowwise"), TypeError, "it must be an fp8 recipe"),
+        (lambda: mixprec.Policy("p", {}, fp8="rowwise"), TypeError, "Policy fp8 is invalid"),
+        (lambda: mixprec.Policy.from_dict({"name": "p", "fp8": {"history": 0}}), ValueError, "history"),
+        (lambda: mixprec.Policy.from_dict({"name": "p", "fp8": {"rows": 1}}), ValueError, "unknown field"),
+        (lambda: mixprec.Policy.from_dict({"name": "p", "fp8": "rowwise"}), ValueError, "fp8 must map"),
+    ],
+)
+def test_bad_recipes_on_a_policy_are_refused(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_delayed_scaling_is_refused_until_its_amax_history_exists():
+    x, w, *_ = _inputs()
+    with pytest.raises(NotImplementedError, match=r"delayed scaling cannot run yet.*scaling='tensorwise'"):
+        _fp8.linear(x, w, None, Fp8Recipe(scaling="delayed"), torch.float32)
+    with (
+        pytest.raises(NotImplementedError, match="delayed scaling"),
+        _region(policy=FP8.with_fp8_recipe(scaling="delayed")),
+    ):
+        torch.nn.functional.linear(x, w)

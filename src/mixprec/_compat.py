@@ -392,11 +392,23 @@ top_saved_tensors_hooks: Callable[[bool], Any] = torch._C._autograd._top_saved_t
 graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
 
+#: The first release whose CPU ``_scaled_mm`` takes rowwise scales (2.10 and 2.11 take one scale per tensor).
+CPU_ROWWISE_SCALED_MM = (2, 12)
+
+
 def scaled_mm(
     a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``torch._scaled_mm``: ``(a * scale_a) @ (b * scale_b)`` of fp8 operands, accumulated in float32, in
-    ``out_dtype`` (private in every supported release; the same signature in 2.10 to 2.15)."""
+    ``out_dtype`` (private in every supported release; the same signature in 2.10 to 2.15).
+
+    Where the release's CPU kernel takes one scale per tensor only (before ``CPU_ROWWISE_SCALED_MM``), rowwise
+    scales are applied to the unscaled float32 product instead: the same values up to float32 rounding."""
+    rowwise = scale_a.numel() != 1 or scale_b.numel() != 1
+    if rowwise and a.device.type == "cpu" and RELEASE < CPU_ROWWISE_SCALED_MM:
+        one = torch.ones((), device=a.device)
+        product = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return (product * scale_a * scale_b).to(out_dtype)
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 

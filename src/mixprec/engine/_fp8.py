@@ -230,4 +230,13 @@ def linear(
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its three GEMMs in fp8 under ``recipe``, the output in ``out_dtype``.
     The caller checks ``aligned`` first (an unaligned call runs in the region's dtype instead)."""
+    if recipe.scaling == "delayed":
+        raise NotImplementedError(
+            _errors.message(
+                "fp8 with delayed scaling cannot run yet",
+                "its amax history (per call site, saved in a state_dict, agreed across ranks) is not built",
+                received={"scaling": recipe.scaling},
+                fix="Use policy.with_fp8_recipe(scaling='tensorwise') or scaling='rowwise' (both dynamic).",
+            )
+        )
     return _Fp8Linear.apply(x, weight, bias, recipe, out_dtype)  # type: ignore[no-any-return]

@@ -147,9 +147,12 @@ _native: _memo.Memo[str, dict[Op, Entry]] = _memo.Memo(16, "native kernel entrie
 
 
 def rule_for(policy: Policy, op: Op, category: Category) -> _rules.Rule:
-    """The rule a kernel applies to ``op`` under ``policy`` (a banned op's carries the policy's advice)."""
+    """The rule a kernel applies to ``op`` under ``policy`` (a banned op's carries the policy's advice, an fp8
+    op's the policy's recipe)."""
     if category.action is Action.BAN:
         return _rules.banned(category, policy.advice(_tables.entry_name(policy, op)))
+    if category.action is Action.SCALED_MM:
+        return _rules.scaled(category, policy.fp8)
     return _rules.RULES[category]
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from mixprec.policies._builtin import BUILTIN, DOCUMENTED, NATIVE, lists, table_of
 from mixprec.policies._category import CATEGORIES, Category
 from mixprec.policies._policy import Policy
+from mixprec.policies._recipe import Fp8Recipe
 
 if TYPE_CHECKING:
     CPU: Policy
@@ -35,6 +36,7 @@ __all__ = [  # the built-in policies by name: griffe (the API reference) reads _
     "NATIVE",
     "XPU",
     "Category",
+    "Fp8Recipe",
     "Policy",
     "describes",
     "lists",

@@ -13,6 +13,7 @@ from mixprec import _compat, _errors
 from mixprec.policies import _advice, _names, _resolve, _serial
 from mixprec.policies._builtin import BUILTIN
 from mixprec.policies._category import Category, category_of
+from mixprec.policies._recipe import TENSORWISE, Fp8Recipe
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -48,18 +49,25 @@ class Policy:
     name: str
     table: Mapping[str, Category]
     base: str | None = None
+    #: How the ops in the ``fp8`` category scale their tensors (``with_fp8_recipe``).
+    fp8: Fp8Recipe = TENSORWISE
     #: What the policy holds, as one hashable value: policies compare and hash by content, so that caches
     #: keyed by a policy serve an equal one made later (set once, by ``__post_init__``).
-    content: tuple[str, str | None, frozenset[tuple[str, Category]]] = dataclasses.field(
+    content: tuple[str, str | None, frozenset[tuple[str, Category]], Fp8Recipe] = dataclasses.field(
         init=False, repr=False, compare=False
     )
     _hash: int | None = dataclasses.field(init=False, repr=False, compare=False)  # None: made while dynamo traced
 
     def __post_init__(self) -> None:
         _check_fields(self.name, self.table, self.base)
+        if not isinstance(self.fp8, Fp8Recipe):
+            raise TypeError(
+                _errors.message("Policy fp8 is invalid", "it must be an fp8 recipe", received={"fp8": self.fp8},
+                                expected="a mixprec.policies.Fp8Recipe")
+            )  # fmt: skip
         # A private copy, so that the caller's mapping cannot change the policy after the fact.
         object.__setattr__(self, "table", types.MappingProxyType(dict(self.table)))
-        content = (self.name, self.base, frozenset(self.table.items()))
+        content = (self.name, self.base, frozenset(self.table.items()), self.fp8)
         object.__setattr__(self, "content", content)  # (a frozen dataclass sets its derived fields so)
         object.__setattr__(self, "_hash", None if _compat.dynamo_tracing() else hash(content))
         _compat.share(self)  # findable from compiled code on releases whose dynamo cannot pass it
@@ -126,7 +134,24 @@ class Policy:
         return self._derived(table)
 
     def _derived(self, table: Mapping[str, Category]) -> Policy:
-        return Policy(self.name, types.MappingProxyType(dict(table)), self.base)
+        return Policy(self.name, types.MappingProxyType(dict(table)), self.base, self.fp8)
+
+    def with_fp8_recipe(self, recipe: Fp8Recipe | None = None, **fields: Any) -> Policy:
+        """A new policy whose ``fp8`` ops scale by ``recipe``, or by this policy's recipe with ``fields`` changed:
+        ``with_fp8_recipe(scaling="rowwise", power_of_2=True)``."""
+        if recipe is not None and not isinstance(recipe, Fp8Recipe):
+            raise TypeError(
+                _errors.message("with_fp8_recipe: recipe is invalid", "it must be an fp8 recipe",
+                                received={"recipe": recipe}, expected="a mixprec.policies.Fp8Recipe, or fields")
+            )  # fmt: skip
+        unknown = [f for f in fields if f not in _RECIPE_FIELDS]
+        if unknown:
+            raise TypeError(
+                _errors.message("with_fp8_recipe got an unknown field", "a recipe has these fields",
+                                received={"field": unknown[0]}, expected=list(_RECIPE_FIELDS))
+            )  # fmt: skip
+        chosen = dataclasses.replace(recipe if recipe is not None else self.fp8, **fields)
+        return Policy(self.name, self.table, self.base, chosen)
 
     @property
     def changes(self) -> dict[str, str | None]:
@@ -158,6 +183,9 @@ class Policy:
             out["without_ops"] = removed
         out["ops"] = {c.value: [n for n, m in changes.items() if m == c.value] for c in Category}
         out["ops"] = {c: names for c, names in out["ops"].items() if names}
+        if self.fp8 != TENSORWISE:  # the recipe's fields that differ from the default's
+            fields = ((f, getattr(self.fp8, f)) for f in _RECIPE_FIELDS)
+            out["fp8"] = {f: value for f, value in fields if value != getattr(TENSORWISE, f)}
         return out
 
     @classmethod
@@ -166,10 +194,12 @@ class Policy:
         return cls._from_checked(*_serial.check(data))
 
     @classmethod
-    def _from_checked(cls, name: str, base: str | None, moved: dict[str, list[str]], removed: list[str]) -> Policy:
+    def _from_checked(
+        cls, name: str, base: str | None, moved: dict[str, list[str]], removed: list[str], fp8: Fp8Recipe = TENSORWISE
+    ) -> Policy:
         table = {k: v for k, v in _serial.base_table(base).items() if k not in removed}
         table.update((n, Category(c)) for c, names in moved.items() for n in names)
-        return cls(name, types.MappingProxyType(table), base)
+        return cls(name, types.MappingProxyType(table), base, fp8)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> Policy:
@@ -273,6 +303,9 @@ class Policy:
         changed = len(self.changes)
         origin = f", {changed} change{'s' * (changed != 1)} to {self.base}" if changed and self.base else ""
         return f"Policy({self.name}{origin}: {counts or 'empty'})"
+
+
+_RECIPE_FIELDS = tuple(f.name for f in dataclasses.fields(Fp8Recipe))
 
 
 def _check_fields(name: object, table: object, base: object) -> None:

@@ -17,6 +17,7 @@ table as ``base.table``, minus ``without_ops``, plus ``[ops]``, which is what
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping
@@ -26,8 +27,9 @@ from mixprec import _errors
 from mixprec.policies import _builtin, _names
 from mixprec.policies._builtin import BUILTIN
 from mixprec.policies._category import category_of
+from mixprec.policies._recipe import Fp8Recipe
 
-KEYS = ("name", "base", "ops", "without_ops")
+KEYS = ("name", "base", "ops", "without_ops", "fp8")
 
 
 def _builtin_names() -> tuple[str, ...]:
@@ -53,8 +55,10 @@ def _string_list(where: str, key: str, value: object) -> list[str]:
     return list(items)
 
 
-def check(data: object, where: str = "dict") -> tuple[str, str | None, dict[str, list[str]], list[str]]:
-    """Validate a policy dict: (name, base, {category: names}, without_ops), names checked."""
+def check(
+    data: object, where: str = "dict"
+) -> tuple[str, str | None, dict[str, list[str]], list[str], Fp8Recipe]:
+    """Validate a policy dict: (name, base, {category: names}, without_ops, fp8 recipe), names checked."""
     if not isinstance(data, Mapping):
         raise TypeError(
             _errors.message(f"Invalid policy {where}", "it must be a mapping", received={"data": data},
@@ -82,7 +86,18 @@ def check(data: object, where: str = "dict") -> tuple[str, str | None, dict[str,
         moved[category_of(category).value] = names
     removed = [_names.op_name(n, listed) for n in _string_list(where, "without_ops", data.get("without_ops", []))]
     check_once(where, moved, removed)
-    return name, base, moved, removed
+    return name, base, moved, removed, _recipe(where, data.get("fp8", {}))
+
+
+def _recipe(where: str, given: object) -> Fp8Recipe:
+    """The ``fp8`` table's recipe: the default's fields, those given replaced (each checked by ``Fp8Recipe``)."""
+    fields = [f.name for f in dataclasses.fields(Fp8Recipe)]
+    if not isinstance(given, Mapping):
+        raise _bad(where, "fp8 must map recipe fields to values", "fp8", given, "a table such as {scaling = 'rowwise'}")
+    unknown = [k for k in given if k not in fields]
+    if unknown:
+        raise _bad(where, "fp8 has an unknown field", "field", unknown[0], fields)
+    return Fp8Recipe(**given)
 
 
 def check_once(where: str, moved: dict[str, list[str]], removed: list[str]) -> None:
@@ -95,13 +110,19 @@ def check_once(where: str, moved: dict[str, list[str]], removed: list[str]) -> N
 
 
 def to_toml(data: Mapping[str, Any]) -> str:
-    """Render ``to_dict``'s output as TOML (strings and lists of strings only)."""
+    """Render ``to_dict``'s output as TOML (strings, lists of strings, and the fp8 recipe's scalars)."""
     lines = [f"{key} = {_toml_value(data[key])}" for key in ("name", "base", "without_ops") if key in data]
     lines += ["", "[ops]"] + [f"{cat} = {_toml_value(names)}" for cat, names in data.get("ops", {}).items()]
+    if data.get("fp8"):
+        lines += ["", "[fp8]"] + [f"{field} = {_toml_value(value)}" for field, value in data["fp8"].items()]
     return "\n".join(lines) + "\n"
 
 
 def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
     if isinstance(value, str):
         escaped = value.replace("\\", "\\\\").replace('"', '\\"')
         return f'"{escaped}"'
