@@ -300,13 +300,14 @@ def test_the_policy_chooses_the_recipe_and_carries_it_through_toml(tmp_path):
     x, w = torch.randn(32, 64), torch.randn(48, 64)
     x[0, 0] = 1e6  # an outlier: tensorwise scaling flushes the other rows to zero, rowwise keeps them
     rowwise = FP8.with_fp8_recipe(scaling="rowwise", power_of_2=True)
-    assert rowwise.fp8 == Fp8Recipe(scaling="rowwise", power_of_2=True) and FP8.fp8 == TENSORWISE
-    assert rowwise != FP8 and rowwise.with_fp8_recipe(TENSORWISE) == FP8
+    assert rowwise.fp8_recipe == Fp8Recipe(scaling="rowwise", power_of_2=True) and FP8.fp8_recipe == TENSORWISE
+    assert rowwise != FP8 and rowwise.with_fp8_recipe(TENSORWISE) == FP8 and FP8.fp8 is None
+    assert mixprec.Policy(FP8.name, FP8.table, FP8.base, TENSORWISE) == FP8  # one spelling of the default
     outs = {}
     for name, policy in (("tensorwise", FP8), ("rowwise", rowwise)):
         with _region(policy=policy):
             outs[name] = torch.nn.functional.linear(x, w)
-        assert torch.equal(outs[name], _fp8.linear(x, w, None, policy.fp8, torch.bfloat16)), name
+        assert torch.equal(outs[name], _fp8.linear(x, w, None, policy.fp8_recipe, torch.bfloat16)), name
     exact = (x @ w.t())[1:]
     error = {name: ((out.float()[1:] - exact).norm() / exact.norm()).item() for name, out in outs.items()}
     assert error["rowwise"] < error["tensorwise"] / 4, error

@@ -152,7 +152,7 @@ def rule_for(policy: Policy, op: Op, category: Category) -> _rules.Rule:
     if category.action is Action.BAN:
         return _rules.banned(category, policy.advice(_tables.entry_name(policy, op)))
     if category.action is Action.SCALED_MM:
-        return _rules.scaled(category, policy.fp8)
+        return _rules.scaled(category, policy.fp8_recipe)
     return _rules.RULES[category]
 
 

@@ -49,22 +49,26 @@ class Policy:
     name: str
     table: Mapping[str, Category]
     base: str | None = None
-    #: How the ops in the ``fp8`` category scale their tensors (``with_fp8_recipe``).
-    fp8: Fp8Recipe = TENSORWISE
+    #: How the ops in the ``fp8`` category scale their tensors (``with_fp8_recipe``); None: the default,
+    #: tensorwise (``fp8_recipe`` resolves it). None rather than the default object: dynamo before 2.13 cannot
+    #: pass a recipe into a policy made while it traces, and refusing such a policy is mixprec's to say.
+    fp8: Fp8Recipe | None = None
     #: What the policy holds, as one hashable value: policies compare and hash by content, so that caches
     #: keyed by a policy serve an equal one made later (set once, by ``__post_init__``).
-    content: tuple[str, str | None, frozenset[tuple[str, Category]], Fp8Recipe] = dataclasses.field(
+    content: tuple[str, str | None, frozenset[tuple[str, Category]], Fp8Recipe | None] = dataclasses.field(
         init=False, repr=False, compare=False
     )
     _hash: int | None = dataclasses.field(init=False, repr=False, compare=False)  # None: made while dynamo traced
 
     def __post_init__(self) -> None:
         _check_fields(self.name, self.table, self.base)
-        if not isinstance(self.fp8, Fp8Recipe):
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Recipe):
             raise TypeError(
                 _errors.message("Policy fp8 is invalid", "it must be an fp8 recipe", received={"fp8": self.fp8},
                                 expected="a mixprec.policies.Fp8Recipe")
             )  # fmt: skip
+        if self.fp8 is not None and self.fp8 == TENSORWISE:
+            object.__setattr__(self, "fp8", None)  # one spelling of the default, so that equal policies compare equal
         # A private copy, so that the caller's mapping cannot change the policy after the fact.
         object.__setattr__(self, "table", types.MappingProxyType(dict(self.table)))
         content = (self.name, self.base, frozenset(self.table.items()), self.fp8)
@@ -136,6 +140,11 @@ class Policy:
     def _derived(self, table: Mapping[str, Category]) -> Policy:
         return Policy(self.name, types.MappingProxyType(dict(table)), self.base, self.fp8)
 
+    @property
+    def fp8_recipe(self) -> Fp8Recipe:
+        """The recipe the ``fp8`` ops of this policy scale by (the default: tensorwise dynamic scaling)."""
+        return TENSORWISE if self.fp8 is None else self.fp8
+
     def with_fp8_recipe(self, recipe: Fp8Recipe | None = None, **fields: Any) -> Policy:
         """A new policy whose ``fp8`` ops scale by ``recipe``, or by this policy's recipe with ``fields`` changed:
         ``with_fp8_recipe(scaling="rowwise", power_of_2=True)``."""
@@ -150,7 +159,7 @@ class Policy:
                 _errors.message("with_fp8_recipe got an unknown field", "a recipe has these fields",
                                 received={"field": unknown[0]}, expected=list(_RECIPE_FIELDS))
             )  # fmt: skip
-        chosen = dataclasses.replace(recipe if recipe is not None else self.fp8, **fields)
+        chosen = dataclasses.replace(recipe if recipe is not None else self.fp8_recipe, **fields)
         return Policy(self.name, self.table, self.base, chosen)
 
     @property
@@ -183,7 +192,7 @@ class Policy:
             out["without_ops"] = removed
         out["ops"] = {c.value: [n for n, m in changes.items() if m == c.value] for c in Category}
         out["ops"] = {c: names for c, names in out["ops"].items() if names}
-        if self.fp8 != TENSORWISE:  # the recipe's fields that differ from the default's
+        if self.fp8 is not None:  # the recipe's fields that differ from the default's
             fields = ((f, getattr(self.fp8, f)) for f in _RECIPE_FIELDS)
             out["fp8"] = {f: value for f, value in fields if value != getattr(TENSORWISE, f)}
         return out
@@ -195,7 +204,7 @@ class Policy:
 
     @classmethod
     def _from_checked(
-        cls, name: str, base: str | None, moved: dict[str, list[str]], removed: list[str], fp8: Fp8Recipe = TENSORWISE
+        cls, name: str, base: str | None, moved: dict[str, list[str]], removed: list[str], fp8: Fp8Recipe | None = None
     ) -> Policy:
         table = {k: v for k, v in _serial.base_table(base).items() if k not in removed}
         table.update((n, Category(c)) for c, names in moved.items() for n in names)
