@@ -403,13 +403,40 @@ def scaled_mm(
     ``out_dtype`` (private in every supported release; the same signature in 2.10 to 2.15).
 
     Where the release's CPU kernel takes one scale per tensor only (before ``CPU_ROWWISE_SCALED_MM``), rowwise
-    scales are applied to the unscaled float32 product instead: the same values up to float32 rounding."""
+    scales are applied to the unscaled float32 product instead; where the CPU has no fp8 matmul at all
+    (``cpu_scaled_mm``), the product is a float32 matmul of the fp8 values: the same values up to float32
+    rounding either way."""
+    if a.device.type == "cpu" and not cpu_scaled_mm():
+        # oneDNN has no fp8 matmul on this CPU (an AVX2-only one): the fp8 values are exact in float32, so a
+        # float32 product with float32 accumulation, then the scales, is the same GEMM up to float32 rounding.
+        return (a.float() @ b.float() * scale_a * scale_b).to(out_dtype)
     rowwise = scale_a.numel() != 1 or scale_b.numel() != 1
     if rowwise and a.device.type == "cpu" and RELEASE < CPU_ROWWISE_SCALED_MM:
         one = torch.ones((), device=a.device)
         product = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.float32)
         return (product * scale_a * scale_b).to(out_dtype)
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+_cpu_scaled_mm: list[bool] = []
+
+
+def cpu_scaled_mm() -> bool:
+    """Whether this CPU runs ``torch._scaled_mm`` (oneDNN builds no fp8 matmul on an AVX2-only CPU, or under
+    ``ONEDNN_MAX_CPU_ISA=AVX2``). Probed once per process on real tensors, outside any tracing mode."""
+    if not _cpu_scaled_mm:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        try:
+            with unset_fake_temporarily(), torch._C._DisableTorchDispatch(), torch.no_grad():
+                a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+                one = torch.ones(())
+                torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+            found = True
+        except RuntimeError:
+            found = False
+        _cpu_scaled_mm.append(found)
+    return _cpu_scaled_mm[0]
 
 
 def raw_op(op: torch._ops.OpOverload) -> Callable[..., Any]:
