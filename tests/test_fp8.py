@@ -8,6 +8,8 @@ recipe, with saturation and all-zero inputs, and CUDA's size and layout rules ar
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -294,6 +296,22 @@ def test_explain_policy_and_fx_pass_say_what_fp8_does(tmp_path):
     exported = torch.export.export(torch.nn.Linear(64, 32), (torch.randn(32, 64),)).module()
     with pytest.raises(NotImplementedError, match="does not write fp8 GEMMs into a graph yet"):
         mixprec.graph.apply_policy(exported, FP8, torch.bfloat16, device_type="cpu")
+
+
+@pytest.mark.parametrize("release", sorted(importlib.import_module("mixprec.policies.cuda").RELEASES))
+def test_the_builtin_fp8_policy_is_cuda_with_the_matmul_family_in_fp8(release):
+    fp8, cuda = mixprec.policies.lists("FP8", release), mixprec.policies.lists("CUDA", release)
+    family = {"linear", "mm", "addmm", "matmul"}
+    assert set(fp8["fp8"]) == family and family <= set(cuda["lower_precision_fp"])
+    moved = {c: set(ops) - (family if c == "lower_precision_fp" else set()) for c, ops in cuda.items()}
+    assert {category: set(ops) for category, ops in fp8.items() if category != "fp8"} == moved
+    policy = mixprec.policies.FP8
+    assert policy.ops("fp8") == ("addmm", "linear", "matmul", "mm") and policy.fp8_recipe == TENSORWISE
+    torch.manual_seed(0)
+    x, w = torch.randn(32, 64), torch.randn(48, 64)
+    with _region(policy=policy):
+        out = torch.nn.functional.linear(x, w)
+    assert torch.equal(out, _fp8.linear(x, w, None, TENSORWISE, torch.bfloat16))
 
 
 def test_the_policy_chooses_the_recipe_and_carries_it_through_toml(tmp_path):

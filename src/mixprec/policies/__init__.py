@@ -3,7 +3,8 @@
 ``CPU`` and ``CUDA`` reproduce the installed torch's native autocast on those
 devices (their data modules hold a table per supported release, see
 :func:`describes`); ``XPU`` is the XPU AMP guide's list; ``CPU_DOCUMENTED`` and ``CUDA_DOCUMENTED``
-are the lists of the torch.cpu.amp and torch.cuda.amp references. Nothing is
+are the lists of the torch.cpu.amp and torch.cuda.amp references; ``FP8`` is ``CUDA`` with the matmul family
+(``linear``, ``mm``, ``addmm``, ``matmul``) in fp8. Nothing is
 built at import time: each attribute is made on first access.
 """
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
     XPU: Policy
     CPU_DOCUMENTED: Policy
     CUDA_DOCUMENTED: Policy
+    FP8: Policy
 
 __all__ = [  # the built-in policies by name: griffe (the API reference) reads __all__ as strings only
     "BUILTIN",
@@ -33,6 +35,7 @@ __all__ = [  # the built-in policies by name: griffe (the API reference) reads _
     "CUDA",
     "CUDA_DOCUMENTED",
     "DOCUMENTED",
+    "FP8",
     "NATIVE",
     "XPU",
     "Category",

@@ -15,6 +15,7 @@ BUILTIN = {
     "XPU": "xpu",
     "CPU_DOCUMENTED": "cpu_documented",
     "CUDA_DOCUMENTED": "cuda_documented",
+    "FP8": "fp8",
 }
 
 #: Built-in policies that hold a document's lists; the others reproduce torch's native tables.
