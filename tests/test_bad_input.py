@@ -301,6 +301,8 @@ def promote_mismatch() -> Any:
 
 # --- the table -------------------------------------------------------------------------------------------
 
+LAYERS = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))  # for choose_fp8_layers' rows
+
 AUTOCAST_ROWS = [
     row("autocast-device-unknown", mixprec.autocast, "tpu", raises=ValueError,
         names=("device_type='tpu'", DEVICE_CHOICES)),
@@ -415,6 +417,29 @@ QUERY_ROWS = [
     *(row(f"explain-op-{name}", mixprec.explain, name, raises=ValueError, names=(f"op='{name}'", OP_EXPECTED))
       for name in NOT_OPS),
     missing_arguments("explanation-record", mixprec.Explanation, "op", "entry", "category"),
+    row("explain-model-no-example", mixprec.explain, LAYERS, "cpu", raises=ValueError,
+        names=("a model needs example=", "example=None")),
+]
+
+FP8_LAYER_ROWS = [
+    row("choose-fp8-layers-no-fp8-ops", mixprec.choose_fp8_layers, LAYERS, mixprec.policies.CUDA, raises=ValueError,
+        names=("Policy 'CUDA' runs no op in fp8", "mixprec.policies.FP8")),
+    row("choose-fp8-layers-policy-name", mixprec.choose_fp8_layers, LAYERS, "FP8", raises=TypeError,
+        names=("policy='FP8'", "Policy")),
+    row("choose-fp8-layers-keep-int", mixprec.choose_fp8_layers, LAYERS, keep=[3], raises=TypeError,
+        names=("keep=[3]", "module paths or fnmatch patterns")),
+    row("choose-fp8-layers-keep-typo", mixprec.choose_fp8_layers, LAYERS, keep="O", raises=ValueError,
+        names=("keep pattern 'O' matches no module", "keep='O'")),
+    row("choose-fp8-layers-min-features", mixprec.choose_fp8_layers, LAYERS, min_features=-1, raises=ValueError,
+        names=("min_features=-1", "an int >= 0")),
+    row("choose-fp8-layers-flag", mixprec.choose_fp8_layers, LAYERS, keep_first_and_last=1, raises=TypeError,
+        names=("keep_first_and_last=1", "True or False")),
+    row("choose-fp8-layers-not-a-module", mixprec.choose_fp8_layers, LAYERS.forward, raises=TypeError,
+        names=("module has the wrong type", "torch.nn.Module")),
+    missing_arguments("fp8-layers-handle", mixprec.Fp8Layers, "policy", "fallback", "choices", "_handles"),
+    missing_arguments("layer-choice-record", mixprec.LayerChoice, "path", "kind", "in_features"),
+    missing_arguments("call-site-record", mixprec.CallSite, "module", "op", "shape"),
+    missing_arguments("call-sites-record", mixprec.CallSites, "sites"),
 ]
 
 INSTALL_ROWS = [
@@ -782,8 +807,8 @@ INTEGRATION_ROWS = [
 ]
 
 ROWS = [
-    *AUTOCAST_ROWS, *QUERY_ROWS, *INSTALL_ROWS, *MODULE_ROWS, *CUSTOM_ROWS, *CATEGORY_ROWS, *POLICY_ROWS,
-    *SERIAL_ROWS, *SCALER_ROWS, *GRAPH_ROWS, *DIAGNOSTICS_ROWS, *INTEGRATION_ROWS,
+    *AUTOCAST_ROWS, *QUERY_ROWS, *FP8_LAYER_ROWS, *INSTALL_ROWS, *MODULE_ROWS, *CUSTOM_ROWS, *CATEGORY_ROWS,
+    *POLICY_ROWS, *SERIAL_ROWS, *SCALER_ROWS, *GRAPH_ROWS, *DIAGNOSTICS_ROWS, *INTEGRATION_ROWS,
 ]  # fmt: skip
 
 # --- the state that must not change ----------------------------------------------------------------------
@@ -922,7 +947,7 @@ CLI_ROWS = [
         names=("failed when run: RuntimeError: planted failure under autocast",)),
     cli("doctor-loss-fails", "doctor", f"{TARGETS}:bad_loss",
         names=("failed when run: AttributeError", "no_such_method")),
-    cli("policy-no-subcommand", "policy", names="missing command; expected one of: show, diff, explain"),
+    cli("policy-no-subcommand", "policy", names="missing command; expected one of: show, diff, explain, layers"),
     cli("policy-unknown-subcommand", "policy", "list", names="No such command 'list'"),
     cli("policy-show-missing-argument", "policy", "show", names="Missing argument 'device'"),
     cli("policy-show-unknown", "policy", "show", "cpu0",
@@ -943,6 +968,14 @@ CLI_ROWS = [
         names=("unknown device 'tpu'", "expected one of: cpu")),
     cli("policy-explain-dtype-float64", "policy", "explain", "mm", "--dtype", "float64",
         names=("unknown dtype 'float64'", "expected one of: bfloat16, float16")),
+    cli("policy-layers-missing-argument", "policy", "layers", names="Missing argument 'TARGET'"),
+    cli("policy-layers-no-callable", "policy", "layers", f"{PLANTED}:nothing", names="has no attribute 'nothing'"),
+    cli("policy-layers-unknown-policy", "policy", "layers", f"{PLANTED}:build", "--policy", "FP9",
+        names=("unknown policy 'FP9'", "FP8")),
+    cli("policy-layers-no-fp8-ops", "policy", "layers", f"{PLANTED}:build", "--policy", "CPU",
+        names=("Policy 'CPU' runs no op in fp8", "mixprec.policies.FP8")),
+    cli("policy-layers-device-unknown", "policy", "layers", f"{PLANTED}:build", "--device", "tpu",
+        names=("unknown device 'tpu'", "expected one of: cpu")),
 ]
 
 

@@ -16,6 +16,7 @@ from mixprec._autocast import autocast, get_autocast_dtype, get_policy, is_autoc
 from mixprec._custom import custom_bwd, custom_fwd
 from mixprec._errors import AutocastDisabledWarning, MixprecWarning
 from mixprec._explain import Explanation, explain
+from mixprec._fp8_layers import CallSite, CallSites, Fp8Layers, LayerChoice, choose_fp8_layers
 from mixprec._install import InstallHandle, install
 from mixprec._module import AutocastModule, ModulePolicyHandle, set_module_policy
 from mixprec.engine._compute import KernelSupport, kernel_support
@@ -25,17 +26,22 @@ from mixprec.scaler import GradScaler, ScaleRecord, ScalerStateError
 __all__ = [
     "AutocastDisabledWarning",
     "AutocastModule",
+    "CallSite",
+    "CallSites",
     "Category",
     "Explanation",
+    "Fp8Layers",
     "GradScaler",
     "InstallHandle",
     "KernelSupport",
+    "LayerChoice",
     "MixprecWarning",
     "ModulePolicyHandle",
     "Policy",
     "ScaleRecord",
     "ScalerStateError",
     "autocast",
+    "choose_fp8_layers",
     "cpu",
     "cuda",
     "custom_bwd",

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.utils._pytree
 
-from mixprec import _autocast, _errors, _explain_run
+from mixprec import _autocast, _errors, _explain_run, _fp8_layers
 from mixprec.engine import _devices, _kernels, _plan, _tables
 from mixprec.policies import Category, Policy, _names, _serial
 from mixprec.policies._category import Action
@@ -91,6 +91,32 @@ class Explanation:
         )
 
 
+@overload
+def explain(  # type: ignore[overload-overlap]
+    op: torch.nn.Module,
+    device_type: str = ...,
+    policy: Policy | None = ...,
+    *,
+    dtype: torch.dtype | None = ...,
+    input_dtypes: tuple[torch.dtype, ...] | None = ...,
+    example: tuple[Any, ...] | None = ...,
+    example_kwargs: dict[str, Any] | None = ...,
+) -> _fp8_layers.CallSites: ...
+
+
+@overload
+def explain(
+    op: object,
+    device_type: str = ...,
+    policy: Policy | None = ...,
+    *,
+    dtype: torch.dtype | None = ...,
+    input_dtypes: tuple[torch.dtype, ...] | None = ...,
+    example: tuple[Any, ...] | None = ...,
+    example_kwargs: dict[str, Any] | None = ...,
+) -> Explanation: ...
+
+
 def explain(
     op: object,
     device_type: str = "cpu",
@@ -100,8 +126,13 @@ def explain(
     input_dtypes: tuple[torch.dtype, ...] | None = None,
     example: tuple[Any, ...] | None = None,
     example_kwargs: dict[str, Any] | None = None,
-) -> Explanation:
+) -> Explanation | _fp8_layers.CallSites:
     """Explain what autocast does with ``op``: its category, the dtype it runs in, and why.
+
+    Given a model (an ``nn.Module``) and ``example``, it runs the model once without gradients under
+    ``mixprec.autocast(device_type, dtype, policy)`` and lists each call of the matmul family (linear, mm,
+    addmm, matmul) by module path, with the format it runs in and why (:class:`CallSites`): which calls run
+    in fp8, and which a module policy, ``choose_fp8_layers`` or their shapes keep out.
 
     The answer comes from running the op on small tensors of ``input_dtypes``, through the rule mixprec's
     kernels apply (nothing is registered, and nothing changes in the process): with ``example``'s arguments
@@ -109,7 +140,7 @@ def explain(
 
     Args:
         op: An op name, torch callable or ``torch.ops`` packet/overload. A Python callable is explained by
-            the ATen op its call reaches (``torch.norm(x)`` reaches ``aten::linalg_vector_norm``).
+            the ATen op its call reaches (``torch.norm(x)`` reaches ``aten::linalg_vector_norm``). Or a model.
         device_type: The autocast device.
         policy: The policy to ask; defaults to the one in force for ``device_type``.
         dtype: The autocast dtype; defaults to the one in force for ``device_type``.
@@ -133,6 +164,13 @@ def explain(
     if dtype is not None:
         _devices.check_dtype("explain", device_type, dtype)
     dtype = _autocast.get_autocast_dtype(device_type) if dtype is None else dtype
+    if isinstance(op, torch.nn.Module):
+        if example is None:
+            raise ValueError(
+                _errors.message("explain: a model needs example=", "explain runs the model once to find its calls",
+                                received={"example": None}, expected="a tuple of the model's positional inputs")
+            )  # fmt: skip
+        return _fp8_layers.call_sites(op, example, example_kwargs or {}, device_type, policy, dtype)
     asked = _names.dispatched(op)
     name = _names.op_name(asked, policy.table)
     args, kwargs = example or (), example_kwargs or {}

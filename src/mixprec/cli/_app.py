@@ -103,6 +103,31 @@ def policy_explain(
     explain(op, device, dtype)
 
 
+@policy_app.command("layers")
+def policy_layers(
+    target: Annotated[
+        str, typer.Argument(metavar="TARGET", help="path/to/file.py:callable or package.module:callable.")
+    ],
+    device: Device = "cpu",
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 or float16.")] = None,  # noqa: UP045
+    policy: Annotated[str, typer.Option("--policy", help="A policy name or TOML file.")] = "FP8",
+    choose: Annotated[
+        bool, typer.Option("--choose/--no-choose", help="Keep layers out of fp8 as choose_fp8_layers does.")
+    ] = True,
+    keep: Annotated[
+        Optional[list[str]],  # noqa: UP045
+        typer.Option("--keep", metavar="PATTERN", help="A module path or pattern to keep out of fp8 (repeatable)."),
+    ] = None,
+    min_features: Annotated[
+        int, typer.Option("--min-features", min=0, help="Keep layers with fewer in or out features out of fp8.")
+    ] = 2048,
+) -> None:
+    """Each matmul-family call of TARGET's model by module path: the format it runs in, and why."""
+    from mixprec.cli._policy_cmd import layers
+
+    layers(target, device, dtype, policy, choose, keep or [], min_features)
+
+
 def run(argv: list[str] | None = None) -> None:
     """Run the app; bad input prints ``mixprec: error: ...`` on one line and exits with 2."""
     if argv is not None and not (isinstance(argv, (list, tuple)) and all(isinstance(a, str) for a in argv)):

@@ -116,6 +116,41 @@ def explain(op: str, device: str, dtype: str | None) -> None:
         console.print(str(answer), highlight=False, markup=False)
 
 
+def layers(
+    target: str, device: str, dtype: str | None, policy_name: str, choose: bool, keep: list[str], min_features: int
+) -> None:
+    """Each matmul-family call of TARGET's model, by module path: the format it runs in under the policy and why
+    (with ``choose``, after ``choose_fp8_layers`` kept the layers where fp8 hurts or loses out)."""
+    import mixprec
+    from mixprec.cli._doctor import load_target
+
+    device = device_type(device)
+    low = low_dtype(device, dtype)
+    policy = resolve(policy_name)
+    model, inputs, _ = load_target(target)
+    model = model.to(device)
+    inputs = tuple(t.to(device) if hasattr(t, "to") else t for t in inputs)
+    console = _console()
+    try:
+        chosen = mixprec.choose_fp8_layers(model, policy, keep=keep, min_features=min_features) if choose else None
+    except ValueError as error:
+        raise CliError(str(error).replace("\n", " ")) from None
+    try:
+        sites = mixprec.explain(model, device, policy, dtype=low, example=inputs)
+    except Exception as error:  # the user's model failing is bad input
+        raise CliError(f"TARGET {target!r} raised {type(error).__name__}: {error}".replace("\n", " ")) from None
+    finally:
+        if chosen is not None:
+            chosen.remove()
+    if chosen is not None:
+        console.print(f"Layers (choose_fp8_layers, policy {policy.name}):", highlight=False, markup=False)
+        console.print(str(chosen), highlight=False, markup=False)
+        console.print()
+    console.print(f"Call sites under {device} autocast to {_devices.dtype_name(low)}, policy {policy.name}:",
+                  highlight=False, markup=False)  # fmt: skip
+    console.print(str(sites), highlight=False, markup=False, soft_wrap=True)
+
+
 def _float32() -> Any:
     import torch
 

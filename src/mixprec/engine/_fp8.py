@@ -190,39 +190,51 @@ def _eligible(t: object, device_type: str) -> bool:
     )
 
 
+def fit(
+    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | str:
+    """``(x, weight, bias)`` such that the call is ``F.linear(x, weight, bias)`` and fp8 can run it: a linear,
+    mm, addmm (beta = alpha = 1, a 1-D bias) or matmul of a 2-D second operand, on float32, bfloat16 or float16
+    tensors of the region's device whose GEMM sizes are multiples of 16; for any other call, why not (it runs
+    in the region's dtype instead). The kernels and ``explain`` both ask this."""
+    name = op.overloadpacket.__name__
+    if op._overloadname != "default":
+        return f"the {op._overloadname} overload is not a plain GEMM"
+    if name == "linear":
+        x, weight, bias = (*args, None, None)[:3] if not kwargs else (args[0], args[1], kwargs.get("bias"))
+    elif name in ("mm", "matmul") and len(args) + len(kwargs) == 2:
+        x, other = args[0], args[1]
+        if not (isinstance(other, torch.Tensor) and other.dim() == 2):
+            return "its second operand is not 2-D (a batched matmul)"
+        weight, bias = other.t(), None
+    elif name == "addmm" and len(args) == 3:
+        bias, x, other = args
+        if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+            return "addmm with beta or alpha other than 1"
+        if not (isinstance(other, torch.Tensor) and isinstance(bias, torch.Tensor) and bias.dim() == 1):
+            return "addmm whose bias is not 1-D"
+        weight = other.t()
+    else:
+        return f"{name} with these arguments is not a linear"
+    if not (_eligible(x, device_type) and _eligible(weight, device_type)) or weight.dim() != 2 or x.dim() < 2:
+        return f"an operand is not a float32, bfloat16 or float16 matrix on the {device_type} device"
+    if bias is not None and (not _eligible(bias, device_type) or bias.shape != (weight.shape[0],)):
+        return "its bias is not a vector of the output's size on the device"
+    n, k = weight.shape
+    if x.shape[-1] != k or x.numel() == 0:
+        return "its operands' sizes do not match, or it is empty"
+    m = x.numel() // k
+    if not aligned(m, k, n):
+        return f"its GEMM is {m} x {k} x {n}, not multiples of {ALIGNMENT}"
+    return x, weight, bias
+
+
 def as_linear(
     op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """``(x, weight, bias)`` such that the call is ``F.linear(x, weight, bias)`` and fp8 can run it: a linear,
-    mm, addmm (beta = alpha = 1, a 1-D bias) or matmul of a 2-D second operand, on float32, bfloat16 or float16
-    tensors of the region's device whose GEMM sizes are multiples of 16; None for any other call (it runs in
-    the region's dtype instead)."""
-    name = op.overloadpacket.__name__
-    if op._overloadname != "default":
-        return None
-    values = list(args) + list(kwargs.values())
-    if name == "linear":
-        x, weight, bias = (*args, None, None)[:3] if not kwargs else (args[0], args[1], kwargs.get("bias"))
-    elif name in ("mm", "matmul") and len(values) == 2:
-        x, other = args[0], args[1]
-        if not (isinstance(other, torch.Tensor) and other.dim() == 2):
-            return None
-        weight, bias = other.t(), None
-    elif name == "addmm" and kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1 and len(args) == 3:
-        bias, x, other = args
-        if not (isinstance(other, torch.Tensor) and isinstance(bias, torch.Tensor) and bias.dim() == 1):
-            return None
-        weight = other.t()
-    else:
-        return None
-    if not (_eligible(x, device_type) and _eligible(weight, device_type)) or weight.dim() != 2 or x.dim() < 2:
-        return None
-    if bias is not None and (not _eligible(bias, device_type) or bias.shape != (weight.shape[0],)):
-        return None
-    n, k = weight.shape
-    if x.shape[-1] != k or not aligned(x.numel() // k if k else 0, k, n) or x.numel() == 0:
-        return None
-    return x, weight, bias
+    """``fit``'s ``(x, weight, bias)``, or None where fp8 cannot run the call."""
+    found = fit(op, args, kwargs, device_type)
+    return None if isinstance(found, str) else found
 
 
 def linear(

@@ -1,0 +1,176 @@
+"""Which layers run in fp8: ``choose_fp8_layers``, ``explain(model, example=...)`` and ``mixprec policy layers``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec
+from _cli import run
+from mixprec.engine import _fp8
+
+FP8 = mixprec.policies.FP8
+WIDE = 64  # min_features in these tests: layers of 64 and more features are "large"
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, 128), torch.nn.Linear(128, 64)
+        self.router = torch.nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x))) + self.router(x).softmax(-1).sum(-1, keepdim=True)
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(96, 64)
+        self.first = torch.nn.Linear(64, 64)
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.narrow = torch.nn.Linear(64, 32)
+        self.odd = torch.nn.Linear(64, 72 - 2)
+        self.lm_head = torch.nn.Linear(64, 96, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.first(self.embed(ids))
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(h) + self.narrow(h).sum() + self.odd(h).sum()
+
+
+def _model() -> Model:
+    torch.manual_seed(0)
+    return Model()
+
+
+IDS = torch.arange(32).reshape(2, 16) % 96
+
+
+def test_the_helper_keeps_out_ends_embeddings_routers_unaligned_and_small_layers():
+    model = _model()
+    with mixprec.choose_fp8_layers(model, min_features=WIDE) as layers:
+        why = {c.path: c.reason for c in layers.choices}
+        assert layers.fp8 == ("blocks.0.up", "blocks.0.down", "blocks.1.up", "blocks.1.down")
+        assert why["first"] == "the first or last linear layer"
+        assert why["lm_head"] == "its weight is an embedding's (tied)"
+        assert "router" in why["blocks.0.router"] and "router" in why["blocks.1.router"]
+        assert "below min_features=64" in why["narrow"]
+        assert "not multiples of 16" in why["odd"]
+        assert all(c.reason == "fp8" for c in layers.choices if c.fp8)
+        assert "blocks.0.up" in str(layers) and "float8_e4m3fn" in str(layers)
+    assert all("forward" not in m.__dict__ for m in model.modules())  # remove() took every module policy off
+
+
+def test_kept_layers_run_in_the_region_dtype_and_chosen_ones_in_fp8():
+    model = _model()
+    x = torch.randn(32, 64)
+    with mixprec.choose_fp8_layers(model, min_features=WIDE), mixprec.autocast("cpu", policy=FP8):
+        kept = model.first(x)
+        chosen = model.blocks[0].up(x)
+    with mixprec.autocast("cpu", policy=mixprec.policies.CUDA):
+        native_like = model.first(x)
+    assert kept.dtype is chosen.dtype is torch.bfloat16
+    assert torch.equal(kept, native_like)
+    layer = model.blocks[0].up
+    assert torch.equal(chosen, _fp8.linear(x, layer.weight, layer.bias, FP8.fp8_recipe, torch.bfloat16))
+
+
+def test_the_default_size_threshold_keeps_small_models_out_of_fp8_entirely():
+    layers = mixprec.choose_fp8_layers(_model())
+    assert layers.fp8 == ()
+    layers.remove()
+    big = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(3)))
+    with mixprec.choose_fp8_layers(big) as layers:
+        assert layers.fp8 == ("1",) and layers.kept == ("0", "2")
+    with mixprec.choose_fp8_layers(big, keep_first_and_last=False) as layers:
+        assert layers.fp8 == ("0", "1", "2")
+
+
+def test_keep_patterns_keep_layers_and_modules_out_and_one_that_matches_nothing_is_an_error():
+    model = _model()
+    with mixprec.choose_fp8_layers(model, min_features=WIDE, keep=["blocks.1", "*.0.down"]) as layers:
+        assert layers.fp8 == ("blocks.0.up",)
+        reasons = {c.path: c.reason for c in layers.choices}
+        assert reasons["blocks.1.up"] == "kept by keep='blocks.1'"
+        assert reasons["blocks.0.down"] == "kept by keep='*.0.down'"
+    with pytest.raises(ValueError, match=r"keep pattern 'block.1' matches no module.*blocks.1"):
+        mixprec.choose_fp8_layers(model, keep="block.1")
+    with pytest.raises(ValueError, match="matches no module"):
+        mixprec.choose_fp8_layers(model, keep=["lm_head", "*.attn"])
+    assert all("forward" not in m.__dict__ for m in model.modules())  # a refused call sets nothing
+
+
+def test_a_layer_under_the_users_own_module_policy_is_left_to_it():
+    model = _model()
+    with mixprec.set_module_policy(model.blocks[1], "fp32"):
+        layers = mixprec.choose_fp8_layers(model, min_features=WIDE)
+        assert layers.fp8 == ("blocks.0.up", "blocks.0.down")
+        assert {c.path: c.reason for c in layers.choices}["blocks.1.up"].startswith(
+            "under the module policy set on blocks.1 (fp32)"
+        )
+        layers.remove()
+
+
+def test_explain_lists_each_call_site_with_its_format_and_reason():
+    model = _model()
+    with mixprec.choose_fp8_layers(model, min_features=WIDE):
+        sites = mixprec.explain(model, "cpu", FP8, dtype=torch.bfloat16, example=(IDS,))
+        unaligned = mixprec.explain(model, "cpu", FP8, dtype=torch.bfloat16, example=(IDS[:, :15],))
+    by_module = {s.module: s for s in sites}
+    assert [s.module for s in sites] == [
+        "first", "blocks.0.up", "blocks.0.down", "blocks.0.router", "blocks.1.up", "blocks.1.down",
+        "blocks.1.router", "lm_head", "narrow", "odd",
+    ]  # fmt: skip
+    assert (by_module["blocks.0.up"].runs_in, by_module["blocks.0.up"].reason) == ("float8_e4m3fn", "fp8 (tensorwise)")
+    assert by_module["blocks.0.up"].shape == "32 x 64 x 128"
+    assert (by_module["first"].runs_in, by_module["first"].reason) == ("bfloat16", "the first or last linear layer")
+    assert by_module["lm_head"].reason == "its weight is an embedding's (tied)"
+    assert "blocks.1.down" in str(sites) and "fp8 (tensorwise)" in str(sites)
+    up = next(s for s in unaligned if s.module == "blocks.0.up")
+    assert up.runs_in == "bfloat16" and up.reason == "fp8 cannot run it: its GEMM is 30 x 64 x 128, not multiples of 16"
+    rowwise = mixprec.explain(model, "cpu", FP8.with_fp8_recipe(scaling="rowwise"), example=(IDS,))
+    assert {s.reason for s in rowwise if s.module != "odd"} == {"fp8 (rowwise)"}  # no helper: every aligned call
+    with mixprec.set_module_policy(model.blocks[0], "fp32"):
+        off = mixprec.explain(model, "cpu", FP8, example=(IDS,))
+    assert {s.reason for s in off if s.module.startswith("blocks.0.")} == {"autocast is off here"}
+    assert {s.runs_in for s in off if s.module.startswith("blocks.0.")} == {"float32"}
+
+
+def test_hugging_face_gpt2_conv1d_layers_are_chosen_and_its_tied_head_kept():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=2, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with mixprec.choose_fp8_layers(model, min_features=WIDE) as layers:
+        kinds = {c.path: c.kind for c in layers.choices}
+        assert kinds["transformer.h.0.mlp.c_fc"] == "Conv1D"
+        assert layers.kept == ("transformer.h.0.attn.c_attn", "lm_head")
+        assert "tied" in layers.choices[-1].reason
+        sites = mixprec.explain(model, "cpu", FP8, example=(IDS,))
+    fc = next(s for s in sites if s.module == "transformer.h.1.mlp.c_fc")
+    assert (fc.op, fc.shape, fc.runs_in) == ("addmm", "32 x 64 x 256", "float8_e4m3fn")
+
+
+def test_the_cli_lists_layers_and_call_sites(capsys, tmp_path):
+    target = tmp_path / "net.py"
+    target.write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    net = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(3)))\n"
+        "    return net, (torch.randn(16, 2048),)\n"
+    )
+    result = run(capsys, "policy", "layers", f"{target}:build")
+    assert result.code == 0, result.err
+    assert "Layers (choose_fp8_layers, policy FP8)" in result.out
+    rows = [line.split() for line in result.out.splitlines() if line.startswith(("0 ", "1 ", "2 "))]
+    assert [r[:2] for r in rows[3:]] == [["0", "linear"], ["1", "linear"], ["2", "linear"]]
+    assert rows[4][-3:] == ["float8_e4m3fn", "fp8", "(tensorwise)"]
+    assert rows[3][-7:] == ["bfloat16", "the", "first", "or", "last", "linear", "layer"]
+    everything = run(capsys, "policy", "layers", f"{target}:build", "--no-choose", "--policy", "FP8")
+    assert everything.code == 0 and everything.out.count("fp8 (tensorwise)") == 3
+    bad = run(capsys, "policy", "layers", f"{target}:nothing")
+    assert bad.code == 2 and "has no attribute 'nothing'" in bad.err
