@@ -440,6 +440,23 @@ FP8_LAYER_ROWS = [
     missing_arguments("layer-choice-record", mixprec.LayerChoice, "path", "kind", "in_features"),
     missing_arguments("call-site-record", mixprec.CallSite, "module", "op", "shape"),
     missing_arguments("call-sites-record", mixprec.CallSites, "sites"),
+    row("amax-history-model", mixprec.AmaxHistory, "net", raises=TypeError,
+        names=("AmaxHistory: model has the wrong type", "model='net'", "torch.nn.Module")),
+    row("amax-history-group-type", mixprec.AmaxHistory, LAYERS, process_group=1, raises=TypeError,
+        names=("process_group=1", "a torch.distributed.ProcessGroup, 'default' or None")),
+    row("amax-history-group-uninitialised", mixprec.AmaxHistory, LAYERS, "default", raises=RuntimeError,
+        names=("no process group is initialised", "init_process_group")),
+    row("amax-history-load-not-a-dict", mixprec.AmaxHistory.load_state_dict, mixprec.AmaxHistory(LAYERS), [],
+        raises=TypeError, names=("state is invalid", "state=[]", "a dict of tensors")),
+    row("amax-history-load-unknown-name", mixprec.AmaxHistory.load_state_dict, mixprec.AmaxHistory(LAYERS),
+        {"w.amax_history": torch.zeros(3, 2)}, raises=ValueError,
+        names=("no history for 'w' can be loaded", "Expected one of: 0.bias, 0.weight")),
+    row("amax-history-load-missing-part", mixprec.AmaxHistory.load_state_dict, mixprec.AmaxHistory(LAYERS),
+        {"0.weight.amax_history": torch.zeros(3, 2)}, raises=ValueError,
+        names=("no history for '0.weight' can be loaded", "0.weight.amax_pending")),
+    row("amax-history-load-bad-shape", mixprec.AmaxHistory.load_state_dict, mixprec.AmaxHistory(LAYERS),
+        {"0.weight.amax_history": torch.zeros(2), "0.weight.amax_pending": torch.zeros(3),
+         "0.weight.amax_steps": torch.tensor(1)}, raises=ValueError, names=("wrong shape", "(3, steps)")),
 ]
 
 INSTALL_ROWS = [

@@ -175,6 +175,7 @@ def test_a_weight_is_quantised_once_per_step_and_again_after_the_optimizer_moves
 # ---------------------------------------------------------------- the fp8 category in a region
 
 import mixprec  # noqa: E402
+from mixprec import engine  # noqa: E402
 from mixprec.policies._recipe import TENSORWISE  # noqa: E402
 
 FP8 = mixprec.policies.CPU.with_ops(fp8=["linear", "mm", "addmm", "matmul"])
@@ -223,26 +224,36 @@ def test_calls_fp8_cannot_run_fall_back_to_the_region_dtype_as_lower_precision_f
         assert ours.dtype is native.dtype and torch.equal(ours, native), name
 
 
-def test_fp8_training_gradients_and_checkpointing_are_bit_equal():
-    """A step of a small MLP under fp8: gradients with activation checkpointing (reentrant and not) equal those
-    without it (the recompute quantises the same values with the same recipe)."""
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "delayed"])
+def test_fp8_training_gradients_and_checkpointing_are_bit_equal(scaling):
+    """Two steps of a small MLP under fp8: gradients with activation checkpointing (reentrant and not) equal those
+    without it (the recompute quantises the same values with the same recipe, and under delayed scaling with the
+    same history: the second step scales by the first's amaxes)."""
+    policy = FP8.with_fp8_recipe(scaling=scaling)
 
     def grads(mode):
+        engine.reset()
         torch.manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
-        x = torch.randn(32, 64, requires_grad=True)  # (the reentrant checkpoint needs an input that does)
-        with _region():
-            if mode == "plain":
-                out = net(x)
-            else:
-                out = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=mode == "reentrant")
-        out.float().pow(2).mean().backward()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(2):
+            x = torch.randn(32, 64, requires_grad=True)  # (the reentrant checkpoint needs an input that does)
+            with _region(policy=policy):
+                if mode == "plain":
+                    out = net(x)
+                else:
+                    out = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=mode == "reentrant")
+            out.float().pow(2).mean().backward()
+            if step == 0:
+                opt.step()
+                opt.zero_grad()
         return [p.grad for p in net.parameters()] + [x.grad]
 
     plain = grads("plain")
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in plain)
     for mode in ("reentrant", "non-reentrant"):
         assert all(torch.equal(a, b) for a, b in zip(plain, grads(mode), strict=True)), mode
+    engine.reset()
 
 
 def test_a_module_policy_keeps_a_layer_out_of_fp8():
@@ -354,12 +365,132 @@ def test_bad_recipes_on_a_policy_are_refused(call, error, match):
         call()
 
 
-def test_delayed_scaling_is_refused_until_its_amax_history_exists():
-    x, w, *_ = _inputs()
-    with pytest.raises(NotImplementedError, match=r"delayed scaling cannot run yet.*scaling='tensorwise'"):
-        _fp8.linear(x, w, None, Fp8Recipe(scaling="delayed"), torch.float32)
-    with (
-        pytest.raises(NotImplementedError, match="delayed scaling"),
-        _region(policy=FP8.with_fp8_recipe(scaling="delayed")),
-    ):
-        torch.nn.functional.linear(x, w)
+def _delayed_steps(recipe, xs, grads, w0, b0):
+    """Train-like steps of one linear under a delayed recipe: each step runs the layer, backward, then moves the
+    weight (bumping its version, as an optimizer does). Returns (outputs, input grads, weight grads)."""
+    w = w0.clone().requires_grad_(True)
+    b = b0.clone().requires_grad_(True)
+    outs, gxs, gws = [], [], []
+    for x, g in zip(xs, grads, strict=True):
+        x = x.clone().requires_grad_(True)
+        y = _fp8.linear(x, w, b, recipe, torch.float32)
+        y.backward(g)
+        outs.append(y.detach())
+        gxs.append(x.grad)
+        gws.append(w.grad.clone())
+        with torch.no_grad():
+            w.sub_(0.01 * w.grad)
+        w.grad = None
+    return outs, gxs, gws
+
+
+def _delayed_emulation(recipe, xs, grads, w0, b0):
+    """The same steps written from the recipe's definition: step 0 scales by its own amaxes, step s by the
+    largest amax of the last ``history`` steps (the input's, weight's and gradient's each)."""
+    fwd = {"float8_e4m3fn": E4M3, "float8_e5m2": E5M2}[recipe.forward]
+    bwd = {"float8_e4m3fn": E4M3, "float8_e5m2": E5M2}[recipe.backward]
+
+    def q(t, dtype, amax):
+        s = torch.finfo(dtype).max / amax.clamp(min=recipe.eps)
+        if recipe.power_of_2:
+            s = 2.0 ** torch.floor(torch.log2(s))
+        return (t * s).clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max).to(dtype).float() / s
+
+    w = w0.clone()
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    outs, gxs, gws = [], [], []
+    for x, g in zip(xs, grads, strict=True):
+        now = (x.abs().amax(), w.abs().amax(), g.abs().amax())
+        used = now if not seen else tuple(torch.stack([s[i] for s in seen[-recipe.history:]]).amax() for i in range(3))
+        xq, wq, gq = q(x, fwd, used[0]), q(w, fwd, used[1]), q(g, bwd, used[2])
+        outs.append(xq @ wq.t() + b0)
+        gxs.append(gq @ wq)
+        gws.append(gq.t() @ xq)
+        seen.append(now)
+        w = w - 0.01 * gws[-1]
+    return outs, gxs, gws
+
+
+@pytest.mark.parametrize("power_of_2", [False, True], ids=["plain", "pow2"])
+def test_delayed_scaling_scales_by_the_largest_amax_of_the_last_steps(power_of_2):
+    """Inputs whose range moves from step to step: each step's scales come from the history, not the step's
+    own amax, so a step larger than its history saturates (clamped to the format's largest value)."""
+    recipe = Fp8Recipe(scaling="delayed", history=2, power_of_2=power_of_2)
+    gen = torch.Generator().manual_seed(0)
+    ranges = [1.0, 4.0, 0.5, 0.25, 8.0]
+    xs = [torch.randn(32, 64, generator=gen) * r for r in ranges]
+    grads = [torch.randn(32, 48, generator=gen) * r for r in reversed(ranges)]
+    w0, b0 = torch.randn(48, 64, generator=gen) * 0.1, torch.randn(48, generator=gen)
+    engine.reset()
+    ours = _delayed_steps(recipe, xs, grads, w0, b0)
+    expected = _delayed_emulation(recipe, xs, grads, w0, b0)
+    for name, a_steps, b_steps in zip(("y", "grad_x", "grad_w"), ours, expected, strict=True):
+        for step, (a, b) in enumerate(zip(a_steps, b_steps, strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4, msg=f"{name} at step {step}")
+    # step 1's input is 4x step 0's, whose amax scales it: its largest values saturate at e4m3's 448
+    top = torch.finfo(E4M3).max
+    assert (ours[0][1].abs().amax() > 0) and torch.isfinite(ours[0][1]).all()
+    saturated = (xs[1].abs() * (top / xs[0].abs().amax()) >= top).sum()
+    assert saturated > 0
+    engine.reset()
+
+
+def test_delayed_histories_save_and_load_through_weights_only_torch_load(tmp_path):
+    """Training resumed from a saved model, optimizer and amax history gives what uninterrupted training gives."""
+    policy = FP8.with_fp8_recipe(scaling="delayed", history=3)
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randn(32, 64, generator=gen) * (1 + i) for i in range(6)]
+
+    def make():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        return net, torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def step(net, opt, x):
+        with _region(policy=policy):
+            loss = net(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    engine.reset()
+    net, opt = make()
+    straight = [step(net, opt, x) for x in data]
+    engine.reset()
+    net, opt = make()
+    first = [step(net, opt, x) for x in data[:3]]
+    history = mixprec.AmaxHistory(net).state_dict()
+    assert sorted(history) == sorted(f"{i}.{p}.amax_{k}" for i in (0, 2) for p in ("weight",)
+                                     for k in ("history", "pending", "steps"))  # fmt: skip
+    assert history["0.weight.amax_history"].shape == (3, 3) and int(history["0.weight.amax_steps"]) == 2
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict(), "amax": history}, tmp_path / "ckpt.pt")
+    engine.reset()  # a fresh process: no history
+    net, opt = make()
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    net.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    mixprec.AmaxHistory(net).load_state_dict(saved["amax"])
+    resumed = first + [step(net, opt, x) for x in data[3:]]
+    assert all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+    engine.reset()
+    net, opt = make()  # without the history, step 3 scales dynamically and the losses differ
+    net.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    assert not torch.equal(step(net, opt, data[3]), straight[3])
+    engine.reset()
+
+
+def test_delayed_scaling_refuses_torch_compile_clearly():
+    net = torch.nn.Linear(64, 32)
+    policy = FP8.with_fp8_recipe(scaling="delayed")
+
+    def run(x):
+        with _region(policy=policy):
+            return net(x)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"delayed scaling cannot run under torch\.compile"):
+        torch.compile(run, backend="aot_eager", fullgraph=True)(torch.randn(32, 64))
+    torch._dynamo.reset()
+    engine.reset()

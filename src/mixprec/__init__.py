@@ -19,11 +19,13 @@ from mixprec._explain import Explanation, explain
 from mixprec._fp8_layers import CallSite, CallSites, Fp8Layers, LayerChoice, choose_fp8_layers
 from mixprec._install import InstallHandle, install
 from mixprec._module import AutocastModule, ModulePolicyHandle, set_module_policy
+from mixprec.engine._amax import AmaxHistory
 from mixprec.engine._compute import KernelSupport, kernel_support
 from mixprec.policies import Category, Policy
 from mixprec.scaler import GradScaler, ScaleRecord, ScalerStateError
 
 __all__ = [
+    "AmaxHistory",
     "AutocastDisabledWarning",
     "AutocastModule",
     "CallSite",

@@ -23,16 +23,17 @@ def reset() -> None:
     * No mixprec kernel at any Autocast key: torch's own kernels serve every region again (registering one
       later resets dynamo, as the first registration in a process does).
     * Every memo empty (settings, resolved tables, kernel entries, made regions, policy fingerprints, fp8 weight
-      quantisations), and the CPU's low-precision support probed again on next use (``ONEDNN_MAX_CPU_ISA`` read
-      again).
+      quantisations, delayed fp8 amax histories), and the CPU's low-precision support probed again on next use
+      (``ONEDNN_MAX_CPU_ISA`` read again).
 
     What a test opens stays its own to close: regions, module policies and an ``install`` are left alone (the
     suite's ``_no_autocast_leak`` fixture checks that each test closed them). Compile tokens stay too, as a
     compiled graph may still hold one.
     """
-    from mixprec.engine import _compute, _fp8, _kernels, _memo
+    from mixprec.engine import _amax, _compute, _fp8, _kernels, _memo
 
     _kernels.reset()
     _memo.clear_all()
     _compute.clear_probes()
     _fp8.clear_weight_cache()
+    _amax.clear()

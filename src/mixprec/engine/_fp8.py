@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from mixprec import _compat, _errors
+from mixprec.engine import _amax
 from mixprec.policies._format import FORMATS
 from mixprec.policies._recipe import Fp8Recipe
 
@@ -56,41 +57,51 @@ def scale(amax: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe) -> torch.Te
 
 
 def quantise(
-    t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None
+    t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None, site: _amax.Site | None = None,
+    row: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, inverse_scale)``: ``t`` scaled, clamped and cast to ``dtype`` (row-major), and what ``_scaled_mm``
     multiplies it back by. ``dim`` None: one scale for the tensor; else one per slice along ``dim`` (kept as a
-    size-1 dim)."""
+    size-1 dim). With a delayed recipe's ``site``, the scale comes from its history's ``row``."""
     amax = t.detach().abs().amax() if dim is None else t.detach().abs().amax(dim=dim, keepdim=True)
+    if site is not None:
+        amax = site.amax(row, amax)
     factor = scale(amax, dtype, recipe)
     limit = torch.finfo(dtype).max
     q = (t.detach().float() * factor).clamp(-limit, limit).to(dtype).contiguous()  # (row-major whatever t's strides)
     return q, factor.reciprocal()
 
 
-#: A weight's quantisations: ``(id(weight), dtype, recipe, dim)`` -> (a weak reference to the weight, its
-#: version counter then, ``(q, inverse_scale)``). An optimizer's step bumps the version, so an entry is used
-#: only while the weight is unchanged: a weight is quantised once per step however often it is used.
-_weights: dict[tuple[int, torch.dtype, Fp8Recipe, int | None], tuple[Any, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+def owner(weight: torch.Tensor) -> torch.Tensor:
+    """The tensor a weight belongs to: itself, or the parameter it is a view of (``mm``'s ``other.t()``)."""
+    base = weight._base
+    return weight if base is None else base
+
+
+#: A weight's quantisations: ``(id(owner), view geometry, dtype, recipe, dim)`` -> (a weak reference to the
+#: owner, its version counter then, ``(q, inverse_scale)``). An optimizer's step bumps the version, so an entry
+#: is used only while the weight is unchanged: a weight is quantised once per step however often it is used.
+_weights: dict[tuple[Any, ...], tuple[Any, int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 def quantise_weight(
     weight: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantise`` for a weight, kept while the weight's version is unchanged (not while tracing: a compiled
-    graph quantises in the graph, where the compiler fuses it; not for a delayed recipe, whose scale moves)."""
-    if _compat.tracing() or recipe.scaling == "delayed":
+    graph quantises in the graph, where the compiler fuses it)."""
+    if _compat.tracing():
         return quantise(weight, dtype, recipe, dim)
-    key = (id(weight), dtype, recipe, dim)
+    base = owner(weight)
+    key = (id(base), tuple(weight.shape), weight.stride(), weight.storage_offset(), dtype, recipe, dim)
     found = _weights.get(key)
-    if found is not None and found[0]() is weight and found[1] == weight._version:
+    if found is not None and found[0]() is base and found[1] == base._version:
         return found[2]
     out = quantise(weight, dtype, recipe, dim)
 
     def forget(_: object) -> None:
         _weights.pop(key, None)
 
-    _weights[key] = (weakref.ref(weight, forget), weight._version, out)
+    _weights[key] = (weakref.ref(base, forget), base._version, out)
     return out
 
 
@@ -144,8 +155,12 @@ class _Fp8Linear(torch.autograd.Function):
         rowwise = recipe.scaling == "rowwise"
         forward = format_dtype(recipe.forward)
         x2 = x.reshape(-1, x.shape[-1])
-        xq, sx = quantise(x2, forward, recipe, 1 if rowwise else None)
-        wq, sw = quantise_weight(weight, forward, recipe, 1 if rowwise else None)
+        site = _amax.site(owner(weight), recipe.history) if recipe.scaling == "delayed" else None
+        xq, sx = quantise(x2, forward, recipe, 1 if rowwise else None, site, _amax.INPUT)
+        if site is not None:
+            wq, sw = quantise(weight, forward, recipe, None, site, _amax.WEIGHT)
+        else:
+            wq, sw = quantise_weight(weight, forward, recipe, 1 if rowwise else None)
         y = scaled_mm(xq.contiguous(), sx, wq.t(), sw.reshape(1, -1) if rowwise else sw, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -153,7 +168,7 @@ class _Fp8Linear(torch.autograd.Function):
             ctx.save_for_backward(x2, weight)
         else:
             ctx.save_for_backward(xq, sx, wq, sw)
-        ctx.recipe, ctx.shape, ctx.has_bias = recipe, x.shape, bias is not None
+        ctx.recipe, ctx.shape, ctx.has_bias, ctx.site = recipe, x.shape, bias is not None, site
         ctx.dtypes = (_grad_dtype(x), _grad_dtype(weight), bias.dtype if bias is not None else None)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -174,7 +189,7 @@ class _Fp8Linear(torch.autograd.Function):
             grad_w = scaled_mm(a, a_inv, _column_major(xq_cols), sx_cols, w_dtype)
         else:
             xq, sx, wq, sw = ctx.saved_tensors
-            gq, sg = quantise(g, backward, recipe, None)
+            gq, sg = quantise(g, backward, recipe, None, ctx.site, _amax.GRAD)
             grad_x = scaled_mm(gq.contiguous(), sg, _column_major(wq), sw, x_dtype)
             grad_w = scaled_mm(gq.t().contiguous(), sg, _column_major(xq), sx, w_dtype)
         grad_b = g.float().sum(0).to(b_dtype) if ctx.has_bias else None
@@ -241,14 +256,6 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its three GEMMs in fp8 under ``recipe``, the output in ``out_dtype``.
-    The caller checks ``aligned`` first (an unaligned call runs in the region's dtype instead)."""
-    if recipe.scaling == "delayed":
-        raise NotImplementedError(
-            _errors.message(
-                "fp8 with delayed scaling cannot run yet",
-                "its amax history (per call site, saved in a state_dict, agreed across ranks) is not built",
-                received={"scaling": recipe.scaling},
-                fix="Use policy.with_fp8_recipe(scaling='tensorwise') or scaling='rowwise' (both dynamic).",
-            )
-        )
+    The caller checks ``aligned`` first (an unaligned call runs in the region's dtype instead). A delayed recipe
+    scales by the weight's amax history (``_amax``)."""
     return _Fp8Linear.apply(x, weight, bias, recipe, out_dtype)  # type: ignore[no-any-return]

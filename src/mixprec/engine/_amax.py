@@ -1,0 +1,227 @@
+"""Delayed fp8 scaling: each fp8 call site's amax history, kept per weight, and ``AmaxHistory`` to save it.
+
+A call site is a weight that an fp8 GEMM multiplies (a linear layer's). Its history holds, for the three
+tensors the site quantises (row 0 the input, 1 the weight, 2 the incoming gradient), the amax of each of the
+last ``recipe.history`` steps. A step is the time between two changes of the weight (an optimizer step bumps
+its version counter)::
+
+    on each call of the site, for each tensor t it quantises:
+        if the weight's version moved since the site last saw it:                 # a new step began
+            pending = all_reduce(pending, MAX, group)      if a process group is given
+            history = history[1:] + [pending]; pending = 0; filled += 1
+        current = amax(t)
+        pending[row] = max(pending[row], current)
+        amax used = max(history[row])  if filled                                  # the delayed scale
+                    all_reduce(current, MAX, group) or current  otherwise          # the first step: dynamic
+
+Within a step the scales do not move, so a checkpoint's recompute (in the same step) quantises exactly as
+the forward did: gradients with checkpointing equal those without it. A weight that never changes (frozen)
+stays on the dynamic scale. Delayed scaling runs eagerly only: a compiled graph cannot carry the history.
+``AmaxHistory(model).state_dict()`` holds plain tensors, by parameter name, that ``torch.load(...,
+weights_only=True)`` reads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any
+
+import torch
+
+from mixprec import _compat, _errors
+
+INPUT, WEIGHT, GRAD = 0, 1, 2
+
+
+@dataclasses.dataclass(eq=False)
+class Site:
+    """One weight's amax history (see the module)."""
+
+    weight: Any  # a weak reference to the weight
+    version: int
+    history: torch.Tensor  # float32, 3 x steps: the amaxes of the last steps, oldest first
+    pending: torch.Tensor  # float32, 3: this step's largest amaxes
+    filled: int = 0  # steps recorded so far (the history holds min(filled, steps) of them)
+    group: Any = None  # the process group amaxes agree over, or None
+
+    def roll(self, version: int) -> None:
+        if version == self.version:
+            return
+        if self.group is not None:
+            torch.distributed.all_reduce(self.pending, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        self.history = torch.cat([self.history[:, 1:], self.pending.reshape(3, 1)], dim=1)
+        self.pending = torch.zeros_like(self.pending)
+        self.filled += 1
+        self.version = version
+
+    def amax(self, row: int, current: torch.Tensor) -> torch.Tensor:
+        """The amax a tensor of ``row`` is scaled by this step, given its own ``current`` amax (recorded)."""
+        current = current.detach().float()
+        self.pending[row] = torch.maximum(self.pending[row], current)
+        if self.filled:
+            steps = min(self.filled, self.history.shape[1])
+            return self.history[row, -steps:].amax()
+        if self.group is not None:
+            current = current.clone()
+            torch.distributed.all_reduce(current, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return current
+
+
+#: Every site: ``id(weight)`` -> its Site (dropped when the weight is freed).
+_sites: dict[int, Site] = {}
+#: Process groups given by ``AmaxHistory``: ``id(weight)`` -> group, for sites made later.
+_groups: dict[int, Any] = {}
+
+
+def site(weight: torch.Tensor, steps: int) -> Site:
+    """The weight's site (made on first use), rolled to the weight's current version."""
+    if _compat.tracing():
+        raise NotImplementedError(
+            _errors.message(
+                "fp8 with delayed scaling cannot run under torch.compile",
+                "its amax history is state a compiled graph cannot carry from step to step",
+                received={"scaling": "delayed"},
+                fix="Use policy.with_fp8_recipe(scaling='tensorwise') (dynamic: fused by the compiler), or run "
+                "delayed scaling eagerly.",
+            )
+        )
+    found = _sites.get(id(weight))
+    if found is None or found.weight() is not weight:
+        found = _make(weight, steps, weight._version)
+    elif found.history.shape[1] != steps:
+        raise ValueError(
+            _errors.message(
+                "An fp8 call site's amax history has another length",
+                "one weight keeps one history, and the recipe's history says how many steps it holds",
+                received={"history": steps},
+                expected=f"{int(found.history.shape[1])} steps",
+                fix="Use one fp8 recipe for a weight, or call mixprec.engine.reset() to start the histories again.",
+            )
+        )
+    found.roll(weight._version)
+    return found
+
+
+def _make(weight: torch.Tensor, steps: int, version: int) -> Site:
+    key = id(weight)
+
+    def forget(_: object) -> None:
+        _sites.pop(key, None)
+        _groups.pop(key, None)
+
+    history = torch.zeros(3, steps, dtype=torch.float32, device=weight.device)
+    made = Site(weakref.ref(weight, forget), version, history, torch.zeros(3, device=weight.device))
+    made.group = _groups.get(key)
+    _sites[key] = made
+    return made
+
+
+def clear() -> None:
+    """Drop every history (``mixprec.engine.reset``)."""
+    _sites.clear()
+    _groups.clear()
+
+
+class AmaxHistory:
+    """The amax histories of a model's fp8 call sites under a delayed recipe: saved and loaded by parameter
+    name, and made to agree across ranks.
+
+    Args:
+        model: The model whose weights' histories this covers.
+        process_group: Where given (a ``torch.distributed`` group, or ``"default"`` for the default one), each
+            step's amaxes are reduced to their maximum over its ranks, so every rank scales alike.
+
+    ``state_dict()`` maps ``"<parameter>.amax_history"`` (float32, 3 x steps: input, weight, gradient rows),
+    ``".amax_pending"`` (3) and ``".amax_steps"`` (int64) to plain tensors; ``load_state_dict`` puts them back
+    (every name must be one of the model's parameters).
+
+    Examples:
+        >>> model = torch.nn.Linear(16, 16)
+        >>> policy = mixprec.policies.FP8.with_fp8_recipe(scaling="delayed", history=4)
+        >>> with mixprec.autocast("cpu", policy=policy):
+        ...     _ = model(torch.randn(16, 16))
+        >>> sorted(mixprec.AmaxHistory(model).state_dict())
+        ['weight.amax_history', 'weight.amax_pending', 'weight.amax_steps']
+    """
+
+    def __init__(self, model: torch.nn.Module, process_group: Any = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                _errors.message("AmaxHistory: model has the wrong type", "its parameters name the histories",
+                                received={"model": model}, expected="a torch.nn.Module")
+            )  # fmt: skip
+        if process_group is not None:
+            if process_group != "default" and not isinstance(process_group, torch.distributed.ProcessGroup):
+                raise TypeError(
+                    _errors.message("AmaxHistory: process_group is invalid", "the ranks' amaxes agree over it",
+                                    received={"process_group": process_group},
+                                    expected="a torch.distributed.ProcessGroup, 'default' or None")
+                )  # fmt: skip
+            if not torch.distributed.is_initialized():
+                raise RuntimeError(
+                    _errors.message("AmaxHistory: no process group is initialised",
+                                    "amaxes agree over the ranks of an initialised group",
+                                    received={"process_group": process_group},
+                                    fix="Call torch.distributed.init_process_group first.")
+                )  # fmt: skip
+            group = None if process_group == "default" else process_group
+            group = torch.distributed.group.WORLD if group is None else group
+            for param in model.parameters():
+                _groups[id(param)] = group
+                if id(param) in _sites:
+                    _sites[id(param)].group = group
+        self.model = model
+
+    def _named(self) -> dict[str, tuple[torch.Tensor, Site | None]]:
+        named: dict[str, tuple[torch.Tensor, Site | None]] = {}
+        for name, param in self.model.named_parameters():
+            found = _sites.get(id(param))
+            named[name] = (param, found if found is not None and found.weight() is param else None)
+        return named
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The histories of the model's call sites that have run, as plain tensors by parameter name."""
+        out = {}
+        for name, (_, found) in self._named().items():
+            if found is not None:
+                out[f"{name}.amax_history"] = found.history.detach().clone()
+                out[f"{name}.amax_pending"] = found.pending.detach().clone()
+                out[f"{name}.amax_steps"] = torch.tensor(found.filled, dtype=torch.int64)
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Put saved histories back: the model's weights scale as they did when saved."""
+        if not isinstance(state, dict):
+            raise TypeError(
+                _errors.message("AmaxHistory.load_state_dict: state is invalid", "it is what state_dict returned",
+                                received={"state": state}, expected="a dict of tensors")
+            )  # fmt: skip
+        named = self._named()
+        names = {key.rpartition(".")[0] for key in state}
+        for name in sorted(names):
+            parts = [f"{name}.{part}" for part in ("amax_history", "amax_pending", "amax_steps")]
+            if name not in named or not all(isinstance(state.get(p), torch.Tensor) for p in parts):
+                raise ValueError(
+                    _errors.message(
+                        f"AmaxHistory.load_state_dict: no history for {name!r} can be loaded",
+                        "each entry names a parameter of the model and holds its history, pending amaxes and steps",
+                        received={"name": name},
+                        expected=sorted(named) if name not in named else parts,
+                    )
+                )
+            history, pending, steps = (state[p] for p in parts)
+            if history.dim() != 2 or history.shape[0] != 3 or pending.shape != (3,) or steps.dim() != 0:
+                raise ValueError(
+                    _errors.message(
+                        f"AmaxHistory.load_state_dict: the history of {name!r} has the wrong shape",
+                        "a history is 3 x steps, its pending amaxes 3 values and its steps one",
+                        received={"shapes": (tuple(history.shape), tuple(pending.shape), tuple(steps.shape))},
+                        expected="(3, steps), (3,), ()",
+                    )
+                )
+            weight = named[name][0]
+            made = _make(weight, history.shape[1], -1)  # (the next call rolls the saved pending amaxes in)
+            made.history = history.detach().float().to(weight.device).clone()
+            made.pending = pending.detach().float().to(weight.device).clone()
+            made.filled = int(steps)
