@@ -172,6 +172,24 @@ def test_a_weight_is_quantised_once_per_step_and_again_after_the_optimizer_moves
     engine.reset()
 
 
+def test_a_weight_written_without_a_version_bump_is_quantised_again_after_an_optimizer_step():
+    """FSDP2 gathers each step's weight into the same tensor under ``_unsafe_preserve_version_counter``, while
+    the optimizer steps the shards: the step, not the version, must end the kept quantisation."""
+    engine.reset()
+    x, w, *_ = _inputs()
+    gathered = torch.nn.Parameter(w.clone())
+    shard = torch.nn.Parameter(torch.zeros(4))
+    first = _fp8.linear(x, gathered, None, Fp8Recipe(), torch.float32)
+    shard.grad = torch.ones_like(shard)
+    torch.optim.SGD([shard], lr=0.1).step()  # the step, on another tensor
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(gathered):
+        gathered.mul_(2)  # the next step's gathered weight, version unchanged
+    second = _fp8.linear(x, gathered, None, Fp8Recipe(), torch.float32)
+    assert torch.equal(second, _fp8.linear(x, gathered.detach().clone(), None, Fp8Recipe(), torch.float32))
+    assert not torch.equal(first, second)
+    engine.reset()
+
+
 # ---------------------------------------------------------------- the fp8 category in a region
 
 import mixprec  # noqa: E402

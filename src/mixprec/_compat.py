@@ -392,6 +392,14 @@ top_saved_tensors_hooks: Callable[[bool], Any] = torch._C._autograd._top_saved_t
 graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
 
+def register_optimizer_step_post_hook(hook: Callable[..., None]) -> Any:
+    """``torch.optim.optimizer.register_optimizer_step_post_hook``: ``hook`` runs after every ``torch.optim``
+    optimizer's ``step`` in the process (public, but not re-exported by ``torch.optim``; 2.10 to 2.15 alike)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook as register
+
+    return register(hook)
+
+
 #: The first release whose CPU ``_scaled_mm`` takes rowwise scales (2.10 and 2.11 take one scale per tensor).
 CPU_ROWWISE_SCALED_MM = (2, 12)
 

@@ -2,18 +2,22 @@
 
 A call site is a weight that an fp8 GEMM multiplies (a linear layer's). Its history holds, for the three
 tensors the site quantises (row 0 the input, 1 the weight, 2 the incoming gradient), the amax of each of the
-last ``recipe.history`` steps. A step is the time between two changes of the weight (an optimizer step bumps
-its version counter)::
+last ``recipe.history`` steps. A step ends where the weight changes: its version counter moves (an in-place
+update), or any ``torch.optim`` optimizer steps (``optimizer_steps``: FSDP2 writes each step's gathered
+weight into the same tensor and keeps its version counter, so the version alone would miss the step)::
 
     on each call of the site, for each tensor t it quantises:
-        if the weight's version moved since the site last saw it:                 # a new step began
+        if the weight's version, or the process's count of optimizer steps, moved since the site last saw it:
+                                                                                  # a new step began
             pending = all_reduce(pending, MAX, group)      if a process group is given
             history = history[1:] + [pending]; pending = 0; filled += 1
         current = amax(t)
         pending[row] = max(pending[row], current)
         amax used = max(history[row])  if filled                                  # the delayed scale
-                    all_reduce(current, MAX, group) or current  otherwise          # the first step: dynamic
+                    current                 otherwise (each rank its own)          # the first step: dynamic
 
+The only collective is the roll's, once per site and step, at the site's first call of the step (in forward,
+where every rank calls the sites in the same order): none runs in backward, beside DDP's and FSDP's own.
 Within a step the scales do not move, so a checkpoint's recompute (in the same step) quantises exactly as
 the forward did: gradients with checkpointing equal those without it. A weight that never changes (frozen)
 stays on the dynamic scale. Delayed scaling runs eagerly only: a compiled graph cannot carry the history.
@@ -33,19 +37,42 @@ from mixprec import _compat, _errors
 
 INPUT, WEIGHT, GRAD = 0, 1, 2
 
+_steps = 0  # torch.optim steps taken in this process since the hook was registered
+_hooked = False
+
+
+def _count(*_: object) -> None:
+    global _steps
+    _steps += 1
+
+
+def optimizer_steps() -> int:
+    """How many ``torch.optim`` optimizer steps this process has taken (counted from the first fp8 call on: a
+    global step post-hook, registered then)."""
+    global _hooked
+    if not _hooked:
+        _compat.register_optimizer_step_post_hook(_count)
+        _hooked = True
+    return _steps
+
+
+def stamp(weight: torch.Tensor) -> tuple[int, int]:
+    """What changes when a weight may have: its version counter and the process's optimizer steps."""
+    return weight._version, optimizer_steps()
+
 
 @dataclasses.dataclass(eq=False)
 class Site:
     """One weight's amax history (see the module)."""
 
     weight: Any  # a weak reference to the weight
-    version: int
+    version: tuple[int, int]  # the weight's ``stamp`` the history is for
     history: torch.Tensor  # float32, 3 x steps: the amaxes of the last steps, oldest first
     pending: torch.Tensor  # float32, 3: this step's largest amaxes
     filled: int = 0  # steps recorded so far (the history holds min(filled, steps) of them)
     group: Any = None  # the process group amaxes agree over, or None
 
-    def roll(self, version: int) -> None:
+    def roll(self, version: tuple[int, int]) -> None:
         if version == self.version:
             return
         if self.group is not None:
@@ -62,9 +89,6 @@ class Site:
         if self.filled:
             steps = min(self.filled, self.history.shape[1])
             return self.history[row, -steps:].amax()
-        if self.group is not None:
-            current = current.clone()
-            torch.distributed.all_reduce(current, op=torch.distributed.ReduceOp.MAX, group=self.group)
         return current
 
 
@@ -88,7 +112,7 @@ def site(weight: torch.Tensor, steps: int) -> Site:
         )
     found = _sites.get(id(weight))
     if found is None or found.weight() is not weight:
-        found = _make(weight, steps, weight._version)
+        found = _make(weight, steps, stamp(weight))
     elif found.history.shape[1] != steps:
         raise ValueError(
             _errors.message(
@@ -99,11 +123,11 @@ def site(weight: torch.Tensor, steps: int) -> Site:
                 fix="Use one fp8 recipe for a weight, or call mixprec.engine.reset() to start the histories again.",
             )
         )
-    found.roll(weight._version)
+    found.roll(stamp(weight))
     return found
 
 
-def _make(weight: torch.Tensor, steps: int, version: int) -> Site:
+def _make(weight: torch.Tensor, steps: int, version: tuple[int, int]) -> Site:
     key = id(weight)
 
     def forget(_: object) -> None:
@@ -221,7 +245,7 @@ class AmaxHistory:
                     )
                 )
             weight = named[name][0]
-            made = _make(weight, history.shape[1], -1)  # (the next call rolls the saved pending amaxes in)
+            made = _make(weight, history.shape[1], (-1, -1))  # (the next call rolls the saved pending amaxes in)
             made.history = history.detach().float().to(weight.device).clone()
             made.pending = pending.detach().float().to(weight.device).clone()
             made.filled = int(steps)

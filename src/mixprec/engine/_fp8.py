@@ -16,7 +16,8 @@ Tensorwise scaling takes one amax per tensor; rowwise one per row of each GEMM o
 dimension, so each GEMM requantises its operands from the high-precision tensors saved in forward.
 Quantisation is plain torch ops (amax, multiply, clamp, cast), which a compiler can fuse; only
 ``_scaled_mm`` is opaque. In eager mode a weight's quantisation is kept while the weight's version counter
-is unchanged (``quantise_weight``), so each weight is quantised once per optimizer step.
+and the process's count of optimizer steps are unchanged (``quantise_weight``), so each weight is quantised
+once per optimizer step.
 
 ``_scaled_mm`` on CUDA takes a row-major first operand, a column-major second one, dimensions that are
 multiples of 16, and at most one e5m2 operand; on CPU it takes more. Every device gets CUDA's rules here
@@ -79,9 +80,10 @@ def owner(weight: torch.Tensor) -> torch.Tensor:
 
 
 #: A weight's quantisations: ``(id(owner), view geometry, dtype, recipe, dim)`` -> (a weak reference to the
-#: owner, its version counter then, ``(q, inverse_scale)``). An optimizer's step bumps the version, so an entry
-#: is used only while the weight is unchanged: a weight is quantised once per step however often it is used.
-_weights: dict[tuple[Any, ...], tuple[Any, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+#: owner, its ``_amax.stamp`` then, ``(q, inverse_scale)``). An in-place update bumps the version, an optimizer
+#: step the process's step count (FSDP2 keeps the version of the weight it gathers into), so an entry is used
+#: only while the weight is unchanged: a weight is quantised once per step however often it is used.
+_weights: dict[tuple[Any, ...], tuple[Any, tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 def quantise_weight(
@@ -93,15 +95,15 @@ def quantise_weight(
         return quantise(weight, dtype, recipe, dim)
     base = owner(weight)
     key = (id(base), tuple(weight.shape), weight.stride(), weight.storage_offset(), dtype, recipe, dim)
-    found = _weights.get(key)
-    if found is not None and found[0]() is base and found[1] == base._version:
+    found, now = _weights.get(key), _amax.stamp(base)
+    if found is not None and found[0]() is base and found[1] == now:
         return found[2]
     out = quantise(weight, dtype, recipe, dim)
 
     def forget(_: object) -> None:
         _weights.pop(key, None)
 
-    _weights[key] = (weakref.ref(base, forget), base._version, out)
+    _weights[key] = (weakref.ref(base, forget), now, out)
     return out
 
 

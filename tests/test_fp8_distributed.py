@@ -1,0 +1,167 @@
+"""fp8 training across ranks: DDP and FSDP2 on two gloo ranks, and delayed scaling's amaxes agreeing.
+
+Two CPU ranks, spawned as in ``test_scaler_distributed``, train a small MLP under ``mixprec.policies.FP8``
+with different data per rank. DDP and FSDP2 must keep the ranks' parameters equal and match a step computed
+in one process from the two ranks' data (the mean of the two fp8 gradients). FSDP2 gathers each step's
+weights into the same tensors and keeps their version counters, so this also checks that a weight's fp8
+quantisation is not kept across an optimizer step there. Under delayed scaling with
+``AmaxHistory(model, process_group="default")`` every rank holds the same history (the largest amax over
+ranks); without a group (the negative control) the histories differ, as the data do.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import mixprec
+from test_scaler_distributed import _loopback_interface
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
+
+WORLD_SIZE = 2
+STEPS = 3
+JOIN_TIMEOUT_S = 90.0
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+
+def _data(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(100 * rank + step)) * (1 + rank + step)
+
+
+def _policy(scaling: str) -> mixprec.Policy:
+    return mixprec.policies.FP8.with_fp8_recipe(scaling=scaling, history=4)
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, scaling: str) -> None:
+    with mixprec.autocast("cpu", policy=_policy(scaling)):
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _full(model: nn.Module) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+
+
+def _train(case: str, scaling: str, agree: bool) -> dict[str, Any]:
+    rank = dist.get_rank()
+    base = _model()
+    if case == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        model: nn.Module = DistributedDataParallel(base)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        for layer in base:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        model = fully_shard(base, mesh=mesh)
+    history = mixprec.AmaxHistory(base, process_group="default" if agree else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        _step(model, optimizer, _data(rank, step), scaling)
+    return {"params": _full(model), "amax": history.state_dict() if case == "ddp" else {}}
+
+
+def _worker(rank: int, case: str, scaling: str, agree: bool, out_dir: str) -> None:
+    interface = _loopback_interface()
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    torch.set_num_threads(1)
+    rendezvous = f"file://{Path(out_dir) / 'rendezvous'}"
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD_SIZE,
+                            timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
+    try:
+        torch.save(_train(case, scaling, agree), Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # (see test_scaler_distributed: no interpreter teardown with gloo threads alive)
+
+
+def _run(case: str, scaling: str, agree: bool, tmp_path: Path) -> list[dict[str, Any]]:
+    context = mp.start_processes(_worker, args=(case, scaling, agree, str(tmp_path)), nprocs=WORLD_SIZE,
+                                 join=False, start_method="spawn")  # fmt: skip
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    try:
+        while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"{case}: the ranks did not finish within {JOIN_TIMEOUT_S:.0f} s")
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+            process.join(timeout=10)
+    return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(WORLD_SIZE)]
+
+
+def _reference(scaling: str) -> list[torch.Tensor]:
+    """The data-parallel steps in one process: each rank's fp8 gradient on its own data, averaged."""
+    mixprec.engine.reset()
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        grads = []
+        for rank in range(WORLD_SIZE):
+            with mixprec.autocast("cpu", policy=_policy(scaling)):
+                loss = model(_data(rank, step)).float().pow(2).mean()
+            grads.append(torch.autograd.grad(loss, list(model.parameters())))
+        for param, *per_rank in zip(model.parameters(), *grads, strict=True):
+            param.grad = sum(per_rank) / WORLD_SIZE
+        optimizer.step()
+        optimizer.zero_grad()
+    mixprec.engine.reset()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("case", ["ddp", "fsdp2"])
+def test_fp8_data_parallel_training_matches_the_averaged_fp8_step(case: str, tmp_path: Path) -> None:
+    records = _run(case, "tensorwise", agree=False, tmp_path=tmp_path)
+    expected = _reference("tensorwise")
+    for rank, record in enumerate(records):
+        for ours, theirs in zip(record["params"], expected, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=f"rank {rank}")
+    assert all(torch.equal(a, b) for a, b in zip(records[0]["params"], records[1]["params"], strict=True))
+
+
+def test_delayed_amax_histories_agree_across_ranks_with_a_process_group(tmp_path: Path) -> None:
+    records = _run("ddp", "delayed", agree=True, tmp_path=tmp_path)
+    histories = [r["amax"] for r in records]
+    assert sorted(histories[0]) == sorted(histories[1]) and histories[0]
+    for key in histories[0]:  # (this step's pending amaxes are each rank's own until the next step reduces them)
+        if not key.endswith(".amax_pending"):
+            assert torch.equal(histories[0][key], histories[1][key]), key
+    assert int(histories[0]["0.weight.amax_steps"]) == STEPS - 1
+    assert all(torch.equal(a, b) for a, b in zip(records[0]["params"], records[1]["params"], strict=True))
+
+
+def test_without_a_process_group_delayed_histories_differ_between_ranks(tmp_path: Path) -> None:
+    """Negative control for the test above: the ranks' data differ, so their own amaxes do."""
+    records = _run("ddp", "delayed", agree=False, tmp_path=tmp_path)
+    first, second = (r["amax"]["0.weight.amax_history"] for r in records)
+    assert torch.equal(first[1], second[1])  # the weights are alike (DDP), so are their amaxes
+    assert not torch.equal(first[0], second[0]) and not torch.equal(first[2], second[2])  # inputs, gradients
