@@ -109,6 +109,36 @@ def test_the_output_is_in_the_asked_dtype_and_gradients_in_the_inputs(out_dtype)
     )
 
 
+def _torch_scaled_mm_runs_on_this_cpu() -> bool:
+    try:
+        a = torch.zeros(16, 16).to(E4M3)
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(()), scale_b=torch.ones(()), out_dtype=torch.float32)
+    except RuntimeError:  # oneDNN builds no fp8 matmul on an AVX2-only CPU
+        return False
+    return True
+
+
+@pytest.mark.parametrize("rowwise", [False, True], ids=["tensorwise", "rowwise"])
+def test_the_cpu_gemm_is_torchs_scaled_mm_up_to_float32_summation_order(rowwise):
+    """On CPU mixprec multiplies the fp8 values in float32 (torch's CPU kernel is a reference one, ~1000x
+    slower): the same GEMM as an exact (float64) product to float32 rounding, and as torch._scaled_mm where this
+    CPU runs it (rowwise scales there from torch 2.12)."""
+    from mixprec import _compat
+
+    gen = torch.Generator().manual_seed(0)
+    a = (torch.randn(64, 128, generator=gen) * 8).to(E4M3)
+    b = (torch.randn(32, 128, generator=gen) * 8).to(E4M3).t()
+    sa = torch.rand(64, 1, generator=gen) + 0.5 if rowwise else torch.tensor(0.75)
+    sb = torch.rand(1, 32, generator=gen) + 0.5 if rowwise else torch.tensor(1.25)
+    ours = _compat.scaled_mm(a, b, sa, sb, torch.float32)
+    exact = (a.double() @ b.double() * sa.double() * sb.double()).float()
+    rounding = 1e-6 * float(exact.abs().max())  # float32 summation of 128 products: a few ulps of the largest
+    torch.testing.assert_close(ours, exact, rtol=1e-6, atol=rounding)
+    if _torch_scaled_mm_runs_on_this_cpu() and (not rowwise or _compat.RELEASE >= (2, 12)):
+        theirs = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=rounding)
+
+
 def test_cuda_rules_are_enforced_on_every_device():
     a, inv = _fp8.quantise(torch.randn(32, 64), E4M3, Fp8Recipe(), None)
     b, _ = _fp8.quantise(torch.randn(48, 64), E4M3, Fp8Recipe(), None)
