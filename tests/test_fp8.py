@@ -341,6 +341,17 @@ def test_compiled_fp8_equals_eager_within_float_tolerance(backend):
     for a, b in zip(eager_grads, compiled_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
 
+    def region_inside(inputs):
+        with _region():
+            return net(inputs)
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    inside = torch.compile(region_inside, backend=backend, fullgraph=True)(x)  # fullgraph: no graph break
+    torch.testing.assert_close(inside.float(), eager_out.float(), rtol=2e-2, atol=1e-1)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    torch._dynamo.reset()
+
 
 def test_explain_policy_and_fx_pass_say_what_fp8_does(tmp_path):
     why = mixprec.explain("linear", "cpu", FP8)
