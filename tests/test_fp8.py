@@ -553,3 +553,81 @@ def test_delayed_scaling_refuses_torch_compile_clearly():
         torch.compile(run, backend="aot_eager", fullgraph=True)(torch.randn(32, 64))
     torch._dynamo.reset()
     engine.reset()
+
+
+# ---------------------------------------------------------------- the doctor's fp8 columns
+
+
+def _doctor_target(outlier: float):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    x = torch.randn(32, 64)
+    x[0, 0] = outlier
+    return net, (x,), lambda out: out.float().pow(2).mean()
+
+
+def test_the_doctor_reports_each_fp8_call_sites_amax_saturation_flushing_and_error():
+    from mixprec import diagnostics
+
+    target = _doctor_target(1e4)  # one huge input value: the tensorwise scale flushes the small ones to zero
+    report = diagnostics.diagnose(target, "cpu", torch.bfloat16, FP8)
+    sites = [r for r in report.rows if r.fp8_format is not None]
+    assert [(r.module, r.fp8_format) for r in sites] == [("0", "float8_e4m3fn"), ("2", "float8_e4m3fn")]
+    first = sites[0]
+    net, (x,), _ = target
+    assert first.fp8_amax == 1e4 and first.fp8_amax_weight == float(net[0].weight.abs().max())
+    # independently: the values below half the smallest e4m3 subnormal (2**-10) after scaling by 448 / 1e4
+    factor = torch.finfo(E4M3).max / 1e4
+    small = ((x != 0) & (x.abs() * factor < 2.0**-10)).sum() + ((net[0].weight != 0) & (
+        net[0].weight.abs() * torch.finfo(E4M3).max / net[0].weight.abs().max() < 2.0**-10)).sum()
+    assert first.fp8_flushed == pytest.approx(float(small) / (x.numel() + net[0].weight.numel()), abs=2e-3)
+    assert first.fp8_flushed > 0 and first.fp8_saturated == 0.0  # a dynamic scale never saturates
+    with _region(policy=FP8):
+        out = net[0](x)
+    exact = x.float() @ net[0].weight.t() + net[0].bias
+    assert first.fp8_error == pytest.approx(float((out.float() - exact).abs().max() / exact.abs().max()))
+    json_row = report.to_json("t")["ops"][first.index]
+    assert json_row["fp8_format"] == "float8_e4m3fn" and json_row["fp8_flushed"] == first.fp8_flushed
+    plain = diagnostics.diagnose(_doctor_target(1.0), "cpu", torch.bfloat16, mixprec.policies.CPU)
+    assert all(r.fp8_format is None and r.fp8_error is None for r in plain.rows)
+
+
+def test_the_doctor_shows_saturation_under_delayed_scaling(tmp_path):
+    """A delayed scale from a step of small inputs saturates a step of large ones: the doctor counts them."""
+    from mixprec import diagnostics
+
+    policy = FP8.with_fp8_recipe(scaling="delayed", history=1)
+    net, (x,), loss_fn = _doctor_target(1.0)
+    engine.reset()
+    with _region(policy=policy):
+        loss_fn(net(x * 0.01)).backward()  # step 0: small inputs fill the history
+    with torch.no_grad():
+        for p in net.parameters():
+            p.sub_(0)  # the optimizer's in-place step (bumps the versions: a new step)
+    report = diagnostics.diagnose((net, (x,), loss_fn), "cpu", torch.bfloat16, policy)
+    first = next(r for r in report.rows if r.fp8_format is not None)
+    top = torch.finfo(E4M3).max
+    beyond = (x.abs() * top / (0.01 * x.abs().max()) > top * 1.0625).sum()  # the inputs are 100x the history's
+    assert first.fp8_saturated == pytest.approx(float(beyond) / (x.numel() + net[0].weight.numel()))
+    assert first.fp8_saturated > 0.3
+    engine.reset()
+
+
+def test_the_doctor_command_prints_the_fp8_call_sites_and_writes_them(capsys, tmp_path):
+    from _cli import run
+
+    target = tmp_path / "target.py"
+    target.write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))\n"
+        "    return net, (torch.randn(32, 64),), lambda out: out.float().pow(2).mean()\n"
+    )
+    (tmp_path / "fp8.toml").write_text(FP8.to_toml())
+    result = run(capsys, "doctor", f"{target}:build", "--policy", str(tmp_path / "fp8.toml"), "--out",
+                 str(tmp_path / "out"))  # fmt: skip
+    assert result.code == 0, result.err
+    assert "fp8 call sites" in result.out and "e4m3" in result.out
+    html = (tmp_path / "out" / "report.html").read_text()
+    assert "saturated" in html and "fp8 GEMM err" in html and "float8_e4m3fn" in html

@@ -101,7 +101,8 @@ def short(source: str) -> str:
         return source
 
 
-_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64"}
+_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64", "float8_e4m3fn": "e4m3",
+          "float8_e5m2": "e5m2"}
 
 
 def _dtypes(names: list[str]) -> str:
@@ -125,6 +126,25 @@ def _table(diagnosis: Diagnosis) -> Any:
             f"{_dtypes(r.input_dtypes)} -> {_dtypes(r.output_dtypes)}", str(r.casts), _fmt(r.max_abs_error),
             _fmt(r.max_rel_error), _fmt(r.overflow_fraction, ".1%"), _fmt(r.underflow_fraction, ".1%"),
             str(r.nonfinite_outputs),
+        )  # fmt: skip
+    return table
+
+
+def _fp8_table(diagnosis: Diagnosis) -> Any:
+    """One row per call site that ran its GEMM in fp8, in execution order; None where none did."""
+    from rich.table import Table
+
+    sites = [r for r in diagnosis.rows if r.fp8_format is not None]
+    if not sites:
+        return None
+    table = Table(title="fp8 call sites")
+    for name in ("#", "op", "module", "fp8", "input amax", "weight amax", "saturated", "flushed", "GEMM err"):
+        table.add_column(name, no_wrap=True)
+    for r in sites:
+        table.add_row(
+            str(r.index), _op(r.op), r.module or "(model)", _SHORT.get(r.fp8_format or "", r.fp8_format),
+            _fmt(r.fp8_amax, ".3g"), _fmt(r.fp8_amax_weight, ".3g"), _fmt(r.fp8_saturated, ".2%"),
+            _fmt(r.fp8_flushed, ".2%"), _fmt(r.fp8_error),
         )  # fmt: skip
     return table
 
@@ -161,6 +181,9 @@ def run_doctor(target: str, device: str, dtype: str | None, policy: Path | None,
             text = f"TARGET {target!r} failed when run: {type(error).__name__}: {error}"
             raise CliError(text.replace("\n", " ")) from None
     console.print(_table(diagnosis))
+    fp8 = _fp8_table(diagnosis)
+    if fp8 is not None:
+        console.print(fp8)
     for line in _summary(diagnosis):
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     os.makedirs(out, exist_ok=True)

@@ -21,6 +21,11 @@ _COLUMNS = (
     ("max_abs_error", "max abs err"), ("max_rel_error", "max rel err"), ("overflow_fraction", "overflow"),
     ("underflow_fraction", "underflow"), ("nonfinite_outputs", "non-finite out"),
 )  # fmt: skip
+#: Shown where some op ran in fp8.
+_FP8_COLUMNS = (
+    ("fp8_format", "fp8"), ("fp8_amax", "input amax"), ("fp8_amax_weight", "weight amax"),
+    ("fp8_saturated", "saturated"), ("fp8_flushed", "flushed"), ("fp8_error", "fp8 GEMM err"),
+)  # fmt: skip
 
 
 def plot_png(report: dict[str, Any]) -> bytes:
@@ -68,12 +73,13 @@ def render(report: dict[str, Any]) -> str:
     """The whole page, with no external resources."""
     escape = html.escape
     worst = set(report["worst"])
-    head = "".join(f"<th>{escape(label)}</th>" for _, label in _COLUMNS)
+    columns = _COLUMNS + (_FP8_COLUMNS if any(op.get("fp8_format") for op in report["ops"]) else ())
+    head = "".join(f"<th>{escape(label)}</th>" for _, label in columns)
     rows = []
     for op in report["ops"]:
         cls = ' class="bad"' if op["nonfinite_outputs"] else ""
         mark = " *" if op["index"] in worst else ""
-        cells = "".join(f"<td>{escape(_cell(op[key]))}{mark if key == 'index' else ''}</td>" for key, _ in _COLUMNS)
+        cells = "".join(f"<td>{escape(_cell(op[key]))}{mark if key == 'index' else ''}</td>" for key, _ in columns)
         rows.append(f"<tr{cls}>{cells}</tr>")
     first = report["first_nonfinite"]
     suggestion = report["suggestion"]

@@ -48,6 +48,12 @@ class OpReport:
     nonfinite_inputs: int
     nonfinite_outputs: int
     produced_nonfinite: bool
+    fp8_format: str | None = None  # where the op ran its GEMM in fp8: the format, and (Fp8Stats) ...
+    fp8_amax: float | None = None  # ... the largest magnitude of its input, and of its weight,
+    fp8_amax_weight: float | None = None
+    fp8_saturated: float | None = None  # the fraction of their values clamped at the format's largest value,
+    fp8_flushed: float | None = None  # the fraction flushed to zero,
+    fp8_error: float | None = None  # the GEMM's relative error against float32 on a sample of rows
 
     def badness(self) -> tuple[int, float, float]:
         """Sort key, worst first when reversed: produced inf/NaN, then overflow/underflow, then error."""
@@ -163,13 +169,16 @@ def compare(reference: Run, amp: Run, low: torch.dtype) -> list[OpReport]:
         got = rec.output if rec.output is not None else torch.empty(0)
         abs_err, rel_err = _error_of(got, ref)
         over, under = _lost(ref, low) if rec.output_dtypes[:1] == [low_name] else (None, None)
-        rows.append(
-            OpReport(
-                rec.index, "forward", rec.op, rec.module, rec.source, rec.input_dtypes, rec.output_dtypes,
-                rec.casts, abs_err, rel_err, over, under, rec.nonfinite_inputs, rec.nonfinite_outputs,
-                rec.produced_nonfinite,
-            )
+        row = OpReport(
+            rec.index, "forward", rec.op, rec.module, rec.source, rec.input_dtypes, rec.output_dtypes,
+            rec.casts, abs_err, rel_err, over, under, rec.nonfinite_inputs, rec.nonfinite_outputs,
+            rec.produced_nonfinite,
         )  # fmt: skip
+        stats = rec.fp8
+        if stats is not None:
+            row.fp8_format, row.fp8_amax, row.fp8_amax_weight = stats.format, stats.amax_input, stats.amax_weight
+            row.fp8_saturated, row.fp8_flushed, row.fp8_error = stats.saturated, stats.flushed, stats.sampled_error
+        rows.append(row)
     forward_clean = not any(r.nonfinite_outputs for r in rows)
     return rows + list(_grad_rows(reference, amp, len(rows), forward_clean))
 

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 import mixprec
 from mixprec import _errors
-from mixprec.engine import _emulate
+from mixprec.engine import _emulate, _fp8
 
 _MIXPREC_DIR = os.path.dirname(os.path.abspath(mixprec.__file__)) + os.sep
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -58,11 +58,54 @@ class OpRecord:
     nonfinite_outputs: int
     key: tuple[str, str, int]
     output: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    fp8: Fp8Stats | None = None  # set where the op ran its GEMM in fp8
 
     @property
     def produced_nonfinite(self) -> bool:
         """Whether this op (or a cast feeding it) turned finite values into inf/NaN."""
         return self.nonfinite_outputs > 0 and self.nonfinite_inputs - self.cast_nonfinite <= 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Stats:
+    """What an fp8 GEMM did to its operands (``fp8_stats``): the largest magnitude of the input and weight, the
+    fraction of their values that saturated (beyond the format's largest value after scaling by more than half
+    its ulp: the clamp changed their fp8 value) and that
+    flushed to zero (non-zero, quantised to zero), and the GEMM's relative error against a float32 GEMM of the
+    same operands, on a sample of up to ``SAMPLE_ROWS`` rows."""
+
+    format: str
+    amax_input: float
+    amax_weight: float
+    saturated: float
+    flushed: float
+    sampled_error: float | None
+
+
+SAMPLE_ROWS = 64
+
+
+def fp8_stats(call: _fp8.Fp8Call) -> Fp8Stats:
+    """The ``Fp8Stats`` of one fp8 linear's forward."""
+    info = torch.finfo(call.xq.dtype)
+    beyond = info.max * (1 + info.eps / 2)  # the clamp changed the fp8 value (not just float32 rounding at amax)
+    counts = [0.0, 0.0]
+    total = 0
+    for high, low, inverse in ((call.x, call.xq, call.x_inverse_scale), (call.weight, call.wq, call.w_inverse_scale)):
+        high = high.float()
+        counts[0] += float((high.abs() / inverse > beyond).sum())
+        counts[1] += float(((high != 0) & (low.float() == 0)).sum())
+        total += high.numel()
+    rows = torch.linspace(0, call.x.shape[0] - 1, min(SAMPLE_ROWS, call.x.shape[0])).long()
+    exact = call.x[rows].float() @ call.weight.float().t()
+    if call.bias is not None:
+        exact = exact + call.bias.float()
+    scale = float(exact.abs().max()) if exact.numel() else 0.0
+    error = float((call.out[rows].float() - exact).abs().max()) / scale if scale > 0 else None
+    return Fp8Stats(
+        str(call.xq.dtype).removeprefix("torch."), float(call.x.abs().max()), float(call.weight.abs().max()),
+        counts[0] / total, counts[1] / total, error,
+    )  # fmt: skip
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -192,16 +235,23 @@ class Recorder(_Tap):
         self._seen: Counter[tuple[str, str]] = Counter()
         self._handles: list[Any] = []
         self._weights: dict[int, torch.dtype] = {}  # cached weight casts, as the cache reuses them
+        self._fp8: list[Fp8Stats] = []  # the fp8 GEMMs of the torch call being recorded
 
     def __enter__(self) -> Recorder:
         for name, module in self._model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._push(name)))
             self._handles.append(module.register_forward_hook(self._pop, always_call=True))
+        _fp8.observers.append(self._observe)
         super().__enter__()
         return self
 
+    def _observe(self, call: _fp8.Fp8Call) -> None:
+        self._fp8.append(fp8_stats(call))
+
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)
+        if self._observe in _fp8.observers:
+            _fp8.observers.remove(self._observe)
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -222,6 +272,7 @@ class Recorder(_Tap):
         casts = self.below
         count, created = casts.count, casts.created
         casts.casts_of = {}
+        self._fp8.clear()
         out = self._call(func, args, kwargs)
         if getattr(func, "__name__", "") in _SKIP:
             return out
@@ -265,8 +316,10 @@ class Recorder(_Tap):
                 nonfinite_outputs=nonfinite(outputs),
                 key=(module, name, occurrence),
                 output=kept,
+                fp8=self._fp8[-1] if self._fp8 else None,
             )
         )
+        self._fp8.clear()
 
 
 class CastCounter(_Tap):

@@ -26,7 +26,9 @@ multiples of 16, and at most one e5m2 operand; on CPU it takes more. Every devic
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -140,6 +142,26 @@ def scaled_mm(
     return _compat.scaled_mm(a, b, a_inv, b_inv, out_dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Fp8Call:
+    """What one fp8 linear's forward did, for an observer (the doctor): the high-precision input (``x``, 2-D)
+    and weight, their fp8 values and inverse scales, the bias and the output (2-D)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    xq: torch.Tensor
+    x_inverse_scale: torch.Tensor
+    wq: torch.Tensor
+    w_inverse_scale: torch.Tensor
+    out: torch.Tensor
+    recipe: Fp8Recipe
+
+
+#: Called with each fp8 linear's ``Fp8Call`` while not empty (the doctor's recorder adds one while it runs).
+observers: list[Callable[[Fp8Call], None]] = []
+
+
 def _grad_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype if t.dtype in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
 
@@ -166,6 +188,11 @@ class _Fp8Linear(torch.autograd.Function):
         y = scaled_mm(xq.contiguous(), sx, wq.t(), sw.reshape(1, -1) if rowwise else sw, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
+        if observers:
+            seen = Fp8Call(x2.detach(), weight.detach(), bias, xq, sx, wq, sw.reshape(-1, 1) if rowwise else sw,
+                           y.detach(), recipe)  # fmt: skip
+            for observe in list(observers):
+                observe(seen)
         if rowwise:  # each backward GEMM scales along its own contracted dimension: requantise from these
             ctx.save_for_backward(x2, weight)
         else:
