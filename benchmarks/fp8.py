@@ -173,7 +173,10 @@ def _llama(seed: int = 0) -> tuple[nn.Module, Callable[[int], torch.Tensor]]:
     def batch_of(step: int) -> torch.Tensor:
         """Synthetic text a model learns: runs of tokens with a per-sequence stride."""
         gen = torch.Generator().manual_seed(step)
-        start, stride = torch.randint(0, vocab, (batch, 1), generator=gen), torch.randint(1, 8, (batch, 1), generator=gen)
+        start, stride = (
+            torch.randint(0, vocab, (batch, 1), generator=gen),
+            torch.randint(1, 8, (batch, 1), generator=gen),
+        )
         return ((start + stride * torch.arange(seq + 1)) % vocab).to(common._device())  # (inputs: seq tokens)
 
     return model, batch_of
@@ -202,7 +205,9 @@ def llama_case() -> tuple[Case, dict[str, Any]]:
                 sites = mixprec.explain(model, common._device(), mixprec.policies.FP8, example=(batch_of(0)[:, :-1],))
             in_fp8 = sum(site.runs_in.startswith("float8") for site in sites)
             if not in_fp8:
-                raise RuntimeError(f"no call site of the fp8 contender runs in fp8, so the comparison is void:\n{sites}")
+                raise RuntimeError(
+                    f"no call site of the fp8 contender runs in fp8, so the comparison is void:\n{sites}"
+                )
             choices = {"fp8": len(layers.fp8), "kept": list(layers.kept), "sites": f"{in_fp8} of {len(sites)}"}
         compiled = torch.compile(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR[0] if common._gpu() else LR[1], fused=common._gpu())
@@ -304,11 +309,15 @@ def main(argv: list[str] | None = None) -> int:
         losses = loss_comparison(loss_steps)
         verdict = (f"goal <= {LOSS_GOAL:.0%} {'met' if losses['relative'] <= LOSS_GOAL else 'MISSED'}"
                    if common._gpu() else "goal not measured (CPU)")  # fmt: skip
-        print(f"\nloss after {loss_steps} steps (mean of the last 10): bf16 {losses['bf16']:.4f}, fp8 "
-              f"{losses['fp8']:.4f}, difference {losses['relative']:.2%}; {verdict}")
+        print(
+            f"\nloss after {loss_steps} steps (mean of the last 10): bf16 {losses['bf16']:.4f}, fp8 "
+            f"{losses['fp8']:.4f}, difference {losses['relative']:.2%}; {verdict}"
+        )
     if not common._gpu():
-        print("\nCPU: fp8 is emulated (a float32 product of the fp8 values): these times check the benchmark, "
-              "they are no fp8 speed figure.")
+        print(
+            "\nCPU: fp8 is emulated (a float32 product of the fp8 values): these times check the benchmark, "
+            "they are no fp8 speed figure."
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"command": " ".join(sys.argv), "machine": info, "cases": rows, "loss": losses}, f, indent=1)
