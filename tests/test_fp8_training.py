@@ -39,7 +39,7 @@ def gemms(monkeypatch):
     mixprec.engine.reset()
 
 
-def _gpt2_losses(policy: mixprec.Policy | None, steps: int) -> list[float]:
+def _gpt2_losses(policy: mixprec.Policy | None, steps: int, device: str = "cpu") -> list[float]:
     """A 2-layer GPT-2 (width 64) trained ``steps`` steps with AdamW on a fixed synthetic corpus: token runs
     that a language model learns (each next token is the previous plus a per-sequence stride, mod 96)."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -47,15 +47,15 @@ def _gpt2_losses(policy: mixprec.Policy | None, steps: int) -> list[float]:
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0,
                         embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
-    model = GPT2LMHeadModel(config).train()
+    model = GPT2LMHeadModel(config).train().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(steps):
         start = torch.randint(0, 96, (8, 1), generator=gen)
         stride = torch.randint(1, 4, (8, 1), generator=gen)
-        ids = (start + stride * torch.arange(32)) % 96
-        with mixprec.autocast("cpu", dtype=torch.bfloat16, policy=policy):
+        ids = ((start + stride * torch.arange(32)) % 96).to(device)
+        with mixprec.autocast(device, dtype=torch.bfloat16, policy=policy):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()

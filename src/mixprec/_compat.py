@@ -410,9 +410,17 @@ def scaled_mm(
     float32, so it is the same GEMM up to the order of float32 summation (``tests/test_fp8.py`` holds it to
     ``torch._scaled_mm`` where the CPU runs that). torch's CPU kernel is oneDNN's reference fp8 matmul,
     measured at 55 ms for 256 x 64 x 192 and 18 s for 1024^3 against 0.23 ms and 13 ms (torch 2.13, a Xeon
-    with AMX-BF16); it takes one scale per tensor before 2.12, and an AVX2-only CPU has none at all."""
+    with AMX-BF16); it takes one scale per tensor before 2.12, and an AVX2-only CPU has none at all.
+
+    On CUDA, rowwise scales with a float32 output run only through cuBLAS 12.9+ on compute capability 9.0;
+    elsewhere torch's CUTLASS kernel refuses any output but bfloat16 (float16 from 2.10 on some builds). A
+    rowwise GEMM asked for float32 therefore runs with a bfloat16 output, cast up: the dtype asked for, with
+    bfloat16's rounding of the product (the gradients of float32 weights under a rowwise recipe)."""
     if a.device.type == "cpu":
         return (a.float() @ b.float() * scale_a * scale_b).to(out_dtype)
+    if (scale_a.numel() != 1 or scale_b.numel() != 1) and out_dtype not in (torch.bfloat16, torch.float16):
+        product = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        return product.to(out_dtype)
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 

@@ -1,0 +1,126 @@
+"""fp8 on a GPU: the CPU suite's fp8 checks (``tests/test_fp8*.py``) on CUDA, where ``torch._scaled_mm`` runs
+the GEMMs (compute capability 8.9 or later: Ada, Hopper and newer).
+
+Against the same independent emulation: forward values and both gradients for every dynamic recipe; a region
+under ``policies.FP8`` runs the fp8 GEMMs with the region's dtype out; checkpointing is bit-equal to none;
+compiled (inductor, fullgraph) equals eager; ``choose_fp8_layers`` keeps a layer out; a GPT-2 trained 150 steps
+in fp8 ends within 3% of bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.engine import _fp8
+from test_fp8 import RECIPES, _emulated, _inputs
+from test_fp8_training import _gpt2_losses
+
+FP8 = mixprec.policies.FP8
+
+
+@pytest.fixture(autouse=True)
+def _fp8_capable(device):
+    if device == "cuda" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip(f"torch._scaled_mm needs compute capability 8.9; this GPU has {torch.cuda.get_device_capability()}")
+    mixprec.engine.reset()
+    yield
+    mixprec.engine.reset()
+
+
+@pytest.mark.parametrize("recipe", RECIPES.values(), ids=RECIPES.keys())
+def test_forward_and_both_gradients_match_the_emulation(device, recipe, monkeypatch):
+    calls = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w, b, g = (t.to(device) for t in _inputs(m=64, k=128, n=96))
+    leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+    y = _fp8.linear(*leaves, recipe, torch.float32)
+    y.backward(g)
+    expected = _emulated(x, w, b, g, recipe)
+    # CUDA's rowwise GEMM gives a float32 output through bfloat16 (_compat.scaled_mm): bfloat16's rounding
+    tolerance = 1e-2 if device == "cuda" and recipe.scaling == "rowwise" else 1e-4
+    for name, got, want in zip(("y", "grad_x", "grad_w", "grad_b"), (y, *(t.grad for t in leaves)), expected,
+                               strict=True):  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance, msg=lambda m, name=name: f"{name}: {m}")
+    assert len(calls) == (3 if device == "cuda" else 0)  # CUDA runs torch._scaled_mm; the CPU a float32 product
+
+
+def test_a_region_runs_the_fp8_gemms_with_the_output_in_the_region_dtype(device):
+    torch.manual_seed(0)
+    x, w, b = (torch.randn(*shape, device=device) for shape in ((64, 128), (96, 128), (96,)))
+    with mixprec.autocast(device, dtype=torch.bfloat16, policy=FP8):
+        out = torch.nn.functional.linear(x, w, b)
+        unaligned = torch.nn.functional.linear(x[:30], w, b)
+    assert out.dtype is unaligned.dtype is torch.bfloat16
+    assert torch.equal(out, _fp8.linear(x, w, b, FP8.fp8_recipe, torch.bfloat16))
+    with torch.autocast(device, dtype=torch.bfloat16):
+        assert torch.equal(unaligned, torch.nn.functional.linear(x[:30], w, b))
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "delayed"])
+def test_checkpointing_is_bit_equal_to_none(device, deterministic, scaling):
+    policy = FP8.with_fp8_recipe(scaling=scaling)
+
+    def grads(mode):
+        mixprec.engine.reset()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(device)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(2):
+            x = torch.randn(64, 128, device=device, requires_grad=True)
+            with mixprec.autocast(device, dtype=torch.bfloat16, policy=policy):
+                if mode == "plain":
+                    out = net(x)
+                else:
+                    out = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=mode == "reentrant")
+            out.float().pow(2).mean().backward()
+            if step == 0:
+                opt.step()
+                opt.zero_grad()
+        return [p.grad for p in net.parameters()] + [x.grad]
+
+    plain = grads("plain")
+    for mode in ("reentrant", "non-reentrant"):
+        assert all(torch.equal(a, b) for a, b in zip(plain, grads(mode), strict=True)), mode
+
+
+def test_compiled_equals_eager_with_no_graph_break(device):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.GELU(), torch.nn.Linear(256, 128)).to(device)
+    x = torch.randn(64, 128, device=device)
+
+    def step(inputs):
+        with mixprec.autocast(device, dtype=torch.bfloat16, policy=FP8):
+            return net(inputs)
+
+    eager = step(x)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(step, fullgraph=True)(x)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    torch.testing.assert_close(compiled.float(), eager.float(), rtol=2e-2, atol=1e-1)
+    torch._dynamo.reset()
+
+
+def test_choose_fp8_layers_keeps_a_layer_out(device):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(2048, 2048) for _ in range(3))).to(device)
+    x = torch.randn(64, 2048, device=device)
+    with mixprec.choose_fp8_layers(model) as layers:
+        sites = mixprec.explain(model, device, FP8, example=(x,))
+        with mixprec.autocast(device, dtype=torch.bfloat16, policy=FP8):
+            first = model[0](x)
+    assert layers.fp8 == ("1",) and [s.runs_in for s in sites] == ["bfloat16", "float8_e4m3fn", "bfloat16"]
+    with torch.autocast(device, dtype=torch.bfloat16):
+        assert torch.equal(first, model[0](x))
+
+
+def test_gpt2_trained_150_steps_in_fp8_ends_within_3_percent_of_bf16(device):
+    pytest.importorskip("transformers")
+    bf16 = _gpt2_losses(mixprec.policies.CUDA, 150, device)
+    fp8 = _gpt2_losses(FP8, 150, device)
+    end_bf16, end_fp8 = sum(bf16[-10:]) / 10, sum(fp8[-10:]) / 10
+    assert end_bf16 < 0.5 * bf16[0]
+    assert abs(end_fp8 - end_bf16) <= 0.03 * end_bf16, (end_fp8, end_bf16)
