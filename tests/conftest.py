@@ -39,16 +39,21 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "GradScaler": (
         "test_scaler_parity.py", "test_scaler_rule.py", "test_scaler_state.py", "test_scaler_distributed.py",
     ),
+    "fp8 (scaled GEMMs, recipes, DDP and FSDP2, frameworks)": (
+        "test_fp8.py", "test_fp8_layers.py", "test_fp8_distributed.py", "test_fp8_training.py",
+    ),
 }
 
 #: The tests that touch torch internals which move between releases: dynamo and inductor (compile, compiled,
 #: patterns), export and FX (graph), Autocast-key kernels (kernels, install), torch.autocast interplay and
 #: checkpoint recompute (interop, frameworks), the reference interpreter (differential), the release's own
-#: tables (compat), a sample of the OpInfo comparison (cpu_opinfo) and torch._scaled_mm (fp8).
+#: tables (compat), a sample of the OpInfo comparison (cpu_opinfo), torch._scaled_mm (fp8), and fp8 under DDP,
+#: FSDP2 (which keeps the version counters of the weights it gathers) and the frameworks (fp8_distributed,
+#: fp8_training).
 VERSION_SENSITIVE = (
     "test_compat.py", "test_compile.py", "test_compiled.py", "test_patterns.py", "test_graph.py",
     "test_kernels.py", "test_install.py", "test_interop.py", "test_frameworks.py", "test_differential.py",
-    "test_cpu_opinfo.py", "test_fp8.py",
+    "test_cpu_opinfo.py", "test_fp8.py", "test_fp8_distributed.py", "test_fp8_training.py",
 )
 #: In the OpInfo sample: every op torch autocasts on CPU, and this share of the others (by a stable hash).
 OPINFO_SAMPLE_ONE_IN = 6
