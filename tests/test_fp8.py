@@ -586,6 +586,16 @@ def test_the_doctor_reports_each_fp8_call_sites_amax_saturation_flushing_and_err
         out = net[0](x)
     exact = x.float() @ net[0].weight.t() + net[0].bias
     assert first.fp8_error == pytest.approx(float((out.float() - exact).abs().max() / exact.abs().max()))
+    # the backward: the incoming gradient of the first linear, quantised to e5m2 (independently: its own grad)
+    grads = []
+    net[0].register_full_backward_hook(lambda module, grad_in, grad_out: grads.append(grad_out[0]))
+    with _region(policy=FP8):
+        target[2](net(x)).backward()
+    g = grads[0].float()
+    assert first.fp8_grad_format == "float8_e5m2" and first.fp8_grad_amax == pytest.approx(float(g.abs().max()))
+    e5m2 = torch.finfo(E5M2)
+    flushed = ((g != 0) & (g.abs() * e5m2.max / g.abs().max() < e5m2.smallest_normal * 2.0**-3)).float().mean()
+    assert first.fp8_grad_flushed == pytest.approx(float(flushed), abs=1e-3) and first.fp8_grad_saturated == 0.0
     json_row = report.to_json("t")["ops"][first.index]
     assert json_row["fp8_format"] == "float8_e4m3fn" and json_row["fp8_flushed"] == first.fp8_flushed
     plain = diagnostics.diagnose(_doctor_target(1.0), "cpu", torch.bfloat16, mixprec.policies.CPU)

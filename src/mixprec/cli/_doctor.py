@@ -138,13 +138,15 @@ def _fp8_table(diagnosis: Diagnosis) -> Any:
     if not sites:
         return None
     table = Table(title="fp8 call sites")
-    for name in ("#", "op", "module", "fp8", "input amax", "weight amax", "saturated", "flushed", "GEMM err"):
+    for name in ("#", "op", "module", "fp8", "input amax", "weight amax", "saturated", "flushed", "GEMM err",
+                 "grad", "grad amax", "grad saturated", "grad flushed"):  # fmt: skip
         table.add_column(name, no_wrap=True)
     for r in sites:
         table.add_row(
             str(r.index), _op(r.op), r.module or "(model)", _SHORT.get(r.fp8_format or "", r.fp8_format),
             _fmt(r.fp8_amax, ".3g"), _fmt(r.fp8_amax_weight, ".3g"), _fmt(r.fp8_saturated, ".2%"),
-            _fmt(r.fp8_flushed, ".2%"), _fmt(r.fp8_error),
+            _fmt(r.fp8_flushed, ".2%"), _fmt(r.fp8_error), _SHORT.get(r.fp8_grad_format or "", "-"),
+            _fmt(r.fp8_grad_amax, ".3g"), _fmt(r.fp8_grad_saturated, ".2%"), _fmt(r.fp8_grad_flushed, ".2%"),
         )  # fmt: skip
     return table
 

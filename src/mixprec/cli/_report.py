@@ -25,6 +25,7 @@ _COLUMNS = (
 _FP8_COLUMNS = (
     ("fp8_format", "fp8"), ("fp8_amax", "input amax"), ("fp8_amax_weight", "weight amax"),
     ("fp8_saturated", "saturated"), ("fp8_flushed", "flushed"), ("fp8_error", "fp8 GEMM err"),
+    ("fp8_grad_amax", "grad amax"), ("fp8_grad_saturated", "grad saturated"), ("fp8_grad_flushed", "grad flushed"),
 )  # fmt: skip
 
 

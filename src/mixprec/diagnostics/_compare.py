@@ -54,6 +54,10 @@ class OpReport:
     fp8_saturated: float | None = None  # the fraction of their values clamped at the format's largest value,
     fp8_flushed: float | None = None  # the fraction flushed to zero,
     fp8_error: float | None = None  # the GEMM's relative error against float32 on a sample of rows
+    fp8_grad_format: str | None = None  # its backward: the incoming gradient's format, largest magnitude,
+    fp8_grad_amax: float | None = None  # and the fractions of its values saturated and flushed to zero
+    fp8_grad_saturated: float | None = None
+    fp8_grad_flushed: float | None = None
 
     def badness(self) -> tuple[int, float, float]:
         """Sort key, worst first when reversed: produced inf/NaN, then overflow/underflow, then error."""
@@ -118,7 +122,8 @@ def run_once(target: Target, region: contextlib.AbstractContextManager[Any], rec
         output = model(*inputs)
         loss = loss_fn(output) if loss_fn is not None else None
     if loss is not None:
-        loss.float().backward()
+        with recorder.gradients() if isinstance(recorder, Recorder) else contextlib.nullcontext():
+            loss.float().backward()
     bad = nonfinite([t for t in torch.utils._pytree.tree_flatten(output)[0] if isinstance(t, torch.Tensor)])
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
     bad += nonfinite(list(grads.values()))
@@ -178,6 +183,8 @@ def compare(reference: Run, amp: Run, low: torch.dtype) -> list[OpReport]:
         if stats is not None:
             row.fp8_format, row.fp8_amax, row.fp8_amax_weight = stats.format, stats.amax_input, stats.amax_weight
             row.fp8_saturated, row.fp8_flushed, row.fp8_error = stats.saturated, stats.flushed, stats.sampled_error
+            row.fp8_grad_format, row.fp8_grad_amax = stats.grad_format, stats.grad_amax
+            row.fp8_grad_saturated, row.fp8_grad_flushed = stats.grad_saturated, stats.grad_flushed
         rows.append(row)
     forward_clean = not any(r.nonfinite_outputs for r in rows)
     return rows + list(_grad_rows(reference, amp, len(rows), forward_clean))

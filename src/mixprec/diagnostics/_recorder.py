@@ -18,10 +18,12 @@ Algorithm for each torch call ``func(*args, **kwargs)`` with a floating output::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -80,22 +82,34 @@ class Fp8Stats:
     saturated: float
     flushed: float
     sampled_error: float | None
+    grad_format: str | None = None  # from the call's backward, where it ran under the recorder: the gradient's
+    grad_amax: float | None = None  # format, largest magnitude, and the fractions of its values saturated and
+    grad_saturated: float | None = None  # flushed to zero by its quantisation
+    grad_flushed: float | None = None
 
 
 SAMPLE_ROWS = 64
 
 
-def fp8_stats(call: _fp8.Fp8Call) -> Fp8Stats:
-    """The ``Fp8Stats`` of one fp8 linear's forward."""
-    info = torch.finfo(call.xq.dtype)
-    beyond = info.max * (1 + info.eps / 2)  # the clamp changed the fp8 value (not just float32 rounding at amax)
-    counts = [0.0, 0.0]
-    total = 0
-    for high, low, inverse in ((call.x, call.xq, call.x_inverse_scale), (call.weight, call.wq, call.w_inverse_scale)):
+def _lost_to_fp8(pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
+    """The fractions of the high-precision values (``(high, fp8, inverse scale)`` triples) that saturated (beyond
+    the format's largest value after scaling by more than half its ulp: the clamp changed their fp8 value) and
+    that flushed to zero."""
+    counts, total = [0.0, 0.0], 0
+    for high, low, inverse in pairs:
+        info = torch.finfo(low.dtype)
+        beyond = info.max * (1 + info.eps / 2)
         high = high.float()
         counts[0] += float((high.abs() / inverse > beyond).sum())
         counts[1] += float(((high != 0) & (low.float() == 0)).sum())
         total += high.numel()
+    return counts[0] / max(total, 1), counts[1] / max(total, 1)
+
+
+def fp8_stats(call: _fp8.Fp8Call) -> Fp8Stats:
+    """The ``Fp8Stats`` of one fp8 linear's forward."""
+    saturated, flushed = _lost_to_fp8([(call.x, call.xq, call.x_inverse_scale),
+                                       (call.weight, call.wq, call.w_inverse_scale)])  # fmt: skip
     rows = torch.linspace(0, call.x.shape[0] - 1, min(SAMPLE_ROWS, call.x.shape[0])).long()
     exact = call.x[rows].float() @ call.weight.float().t()
     if call.bias is not None:
@@ -104,7 +118,16 @@ def fp8_stats(call: _fp8.Fp8Call) -> Fp8Stats:
     error = float((call.out[rows].float() - exact).abs().max()) / scale if scale > 0 else None
     return Fp8Stats(
         str(call.xq.dtype).removeprefix("torch."), float(call.x.abs().max()), float(call.weight.abs().max()),
-        counts[0] / total, counts[1] / total, error,
+        saturated, flushed, error,
+    )  # fmt: skip
+
+
+def with_gradient(stats: Fp8Stats, grad: _fp8.Fp8Grad) -> Fp8Stats:
+    """``stats`` with what its call's backward did to the incoming gradient."""
+    saturated, flushed = _lost_to_fp8([(grad.grad, grad.gq, grad.g_inverse_scale)])
+    return dataclasses.replace(
+        stats, grad_format=str(grad.gq.dtype).removeprefix("torch."), grad_amax=float(grad.grad.abs().max()),
+        grad_saturated=saturated, grad_flushed=flushed,
     )  # fmt: skip
 
 
@@ -235,7 +258,8 @@ class Recorder(_Tap):
         self._seen: Counter[tuple[str, str]] = Counter()
         self._handles: list[Any] = []
         self._weights: dict[int, torch.dtype] = {}  # cached weight casts, as the cache reuses them
-        self._fp8: list[Fp8Stats] = []  # the fp8 GEMMs of the torch call being recorded
+        self._fp8: list[tuple[object, Fp8Stats]] = []  # the fp8 GEMMs of the torch call being recorded
+        self._by_token: dict[object, OpRecord] = {}  # an fp8 call's record, for its backward
 
     def __enter__(self) -> Recorder:
         for name, module in self._model.named_modules():
@@ -245,8 +269,22 @@ class Recorder(_Tap):
         super().__enter__()
         return self
 
-    def _observe(self, call: _fp8.Fp8Call) -> None:
-        self._fp8.append(fp8_stats(call))
+    def _observe(self, seen: _fp8.Fp8Call | _fp8.Fp8Grad) -> None:
+        if isinstance(seen, _fp8.Fp8Call):
+            self._fp8.append((seen.token, fp8_stats(seen)))
+            return
+        record = self._by_token.get(seen.token)
+        if record is not None and record.fp8 is not None:
+            record.fp8 = with_gradient(record.fp8, seen)
+
+    @contextlib.contextmanager
+    def gradients(self) -> Iterator[None]:
+        """While open (around ``backward()``), the fp8 calls recorded add what their backward did."""
+        _fp8.observers.append(self._observe)
+        try:
+            yield
+        finally:
+            _fp8.observers.remove(self._observe)
 
     def __exit__(self, *exc_info: Any) -> None:
         super().__exit__(*exc_info)
@@ -316,9 +354,11 @@ class Recorder(_Tap):
                 nonfinite_outputs=nonfinite(outputs),
                 key=(module, name, occurrence),
                 output=kept,
-                fp8=self._fp8[-1] if self._fp8 else None,
+                fp8=self._fp8[-1][1] if self._fp8 else None,
             )
         )
+        if self._fp8:
+            self._by_token[self._fp8[-1][0]] = self.records[-1]
         self._fp8.clear()
 
 

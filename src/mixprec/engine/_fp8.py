@@ -156,10 +156,23 @@ class Fp8Call:
     w_inverse_scale: torch.Tensor
     out: torch.Tensor
     recipe: Fp8Recipe
+    token: object  # the same object in the ``Fp8Grad`` of this call's backward
 
 
-#: Called with each fp8 linear's ``Fp8Call`` while not empty (the doctor's recorder adds one while it runs).
-observers: list[Callable[[Fp8Call], None]] = []
+@dataclasses.dataclass(frozen=True)
+class Fp8Grad:
+    """What an observed fp8 linear's backward did: the incoming gradient (2-D), its fp8 values and inverse
+    scale as the ``grad_x`` GEMM takes them, and the ``token`` of its forward's ``Fp8Call``."""
+
+    grad: torch.Tensor
+    gq: torch.Tensor
+    g_inverse_scale: torch.Tensor
+    token: object
+
+
+#: Called with each fp8 linear's ``Fp8Call`` (and, in the backward of an observed call, its ``Fp8Grad``) while
+#: not empty (the doctor's recorder adds one while it runs).
+observers: list[Callable[[Fp8Call | Fp8Grad], None]] = []
 
 
 def _grad_dtype(t: torch.Tensor) -> torch.dtype:
@@ -188,9 +201,11 @@ class _Fp8Linear(torch.autograd.Function):
         y = scaled_mm(xq.contiguous(), sx, wq.t(), sw.reshape(1, -1) if rowwise else sw, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
+        ctx.token = None
         if observers:
+            ctx.token = object()
             seen = Fp8Call(x2.detach(), weight.detach(), bias, xq, sx, wq, sw.reshape(-1, 1) if rowwise else sw,
-                           y.detach(), recipe)  # fmt: skip
+                           y.detach(), recipe, ctx.token)  # fmt: skip
             for observe in list(observers):
                 observe(seen)
         if rowwise:  # each backward GEMM scales along its own contracted dimension: requantise from these
@@ -216,11 +231,16 @@ class _Fp8Linear(torch.autograd.Function):
             xq_cols, sx_cols = quantise(x2, forward, recipe, 0)
             a, a_inv = gq_cols.t().contiguous(), sg_cols.reshape(-1, 1)  # (a transpose keeps its strides)
             grad_w = scaled_mm(a, a_inv, _column_major(xq_cols), sx_cols, w_dtype)
+            gq, sg = gq_rows, sg_rows
         else:
             xq, sx, wq, sw = ctx.saved_tensors
             gq, sg = quantise(g, backward, recipe, None, ctx.site, _amax.GRAD)
             grad_x = scaled_mm(gq.contiguous(), sg, _column_major(wq), sw, x_dtype)
             grad_w = scaled_mm(gq.t().contiguous(), sg, _column_major(xq), sx, w_dtype)
+        if ctx.token is not None and observers:
+            seen = Fp8Grad(g.detach(), gq, sg, ctx.token)
+            for observe in list(observers):
+                observe(seen)
         grad_b = g.float().sum(0).to(b_dtype) if ctx.has_bias else None
         return grad_x.reshape(ctx.shape), grad_w, grad_b, None, None
 
