@@ -121,20 +121,11 @@ def mlp_cases(name: str) -> list[Case]:
     return [eager, compiled]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(width))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(x.dtype) * self.weight
-
-
 class Block(nn.Module):
     def __init__(self, width: int, hidden: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
-        self.attn_norm, self.mlp_norm = RMSNorm(width), RMSNorm(width)
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(width), nn.RMSNorm(width)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(width, width, bias=False) for _ in range(4))
         self.gate_proj, self.up_proj = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, bias=False)
         self.down_proj = nn.Linear(hidden, width, bias=False)
@@ -155,7 +146,7 @@ class Llama(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, width)
         self.layers = nn.ModuleList(Block(width, hidden, max(1, width // 128)) for _ in range(layers))
-        self.norm = RMSNorm(width)
+        self.norm = nn.RMSNorm(width)
         self.lm_head = nn.Linear(width, vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

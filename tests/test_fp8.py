@@ -224,6 +224,7 @@ def test_a_weight_written_without_a_version_bump_is_quantised_again_after_an_opt
 
 import mixprec  # noqa: E402
 from mixprec import engine  # noqa: E402
+from mixprec.engine import _amax  # noqa: E402
 from mixprec.policies._recipe import TENSORWISE  # noqa: E402
 
 FP8 = mixprec.policies.CPU.with_ops(fp8=["linear", "mm", "addmm", "matmul"])
@@ -272,36 +273,39 @@ def test_calls_fp8_cannot_run_fall_back_to_the_region_dtype_as_lower_precision_f
         assert ours.dtype is native.dtype and torch.equal(ours, native), name
 
 
+def checkpoint_grads(policy, mode: str, device: str = "cpu") -> list[torch.Tensor]:
+    """Two steps of a small MLP under ``policy`` (an optimizer step between them), its forward run plainly or
+    under activation checkpointing (``mode``: "plain", "reentrant", "non-reentrant"): the second step's
+    gradients (parameters, then the input). Also run on a GPU by tests/cuda/test_cuda_fp8.py."""
+    engine.reset()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)).to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for step in range(2):
+        x = torch.randn(32, 64, device=device, requires_grad=True)  # (the reentrant checkpoint needs one)
+        with mixprec.autocast(device, dtype=torch.bfloat16, policy=policy, compute="native"):
+            if mode == "plain":
+                out = net(x)
+            else:
+                out = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=mode == "reentrant")
+        out.float().pow(2).mean().backward()
+        if step == 0:
+            opt.step()
+            opt.zero_grad()
+    engine.reset()
+    return [p.grad for p in net.parameters()] + [x.grad]
+
+
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "delayed"])
 def test_fp8_training_gradients_and_checkpointing_are_bit_equal(scaling):
-    """Two steps of a small MLP under fp8: gradients with activation checkpointing (reentrant and not) equal those
-    without it (the recompute quantises the same values with the same recipe, and under delayed scaling with the
-    same history: the second step scales by the first's amaxes)."""
+    """Gradients with activation checkpointing (reentrant and not) equal those without it (the recompute
+    quantises the same values with the same recipe, and under delayed scaling with the same history: the second
+    step scales by the first's amaxes)."""
     policy = FP8.with_fp8_recipe(scaling=scaling)
-
-    def grads(mode):
-        engine.reset()
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        for step in range(2):
-            x = torch.randn(32, 64, requires_grad=True)  # (the reentrant checkpoint needs an input that does)
-            with _region(policy=policy):
-                if mode == "plain":
-                    out = net(x)
-                else:
-                    out = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=mode == "reentrant")
-            out.float().pow(2).mean().backward()
-            if step == 0:
-                opt.step()
-                opt.zero_grad()
-        return [p.grad for p in net.parameters()] + [x.grad]
-
-    plain = grads("plain")
+    plain = checkpoint_grads(policy, "plain")
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in plain)
     for mode in ("reentrant", "non-reentrant"):
-        assert all(torch.equal(a, b) for a, b in zip(plain, grads(mode), strict=True)), mode
-    engine.reset()
+        assert all(torch.equal(a, b) for a, b in zip(plain, checkpoint_grads(policy, mode), strict=True)), mode
 
 
 def test_a_module_policy_keeps_a_layer_out_of_fp8():
@@ -641,3 +645,54 @@ def test_the_doctor_command_prints_the_fp8_call_sites_and_writes_them(capsys, tm
     assert "fp8 call sites" in result.out and "e4m3" in result.out
     html = (tmp_path / "out" / "report.html").read_text()
     assert "saturated" in html and "fp8 GEMM err" in html and "float8_e4m3fn" in html
+
+
+# ---------------------------------------------------------------- which tensor keys a weight's state
+
+
+def test_a_weight_reached_through_a_transpose_made_per_call_keeps_its_quantisation_and_history(monkeypatch):
+    """``x @ self.weight.t()`` makes a new view per call: the parameter behind it keys the kept quantisation
+    (quantised once per step however often used) and the delayed history (named by the parameter)."""
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(48, 64) * 0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.weight.t() + torch.matmul(x, self.weight.t())
+
+    engine.reset()
+    net, x = Net(), torch.randn(32, 64)
+    calls = []
+    real = _fp8.quantise
+    monkeypatch.setattr(_fp8, "quantise", lambda t, *a: calls.append(t.shape) or real(t, *a))
+    with _region():
+        net(x)
+    assert calls.count((48, 64)) == 1  # the weight, once for both calls; the input twice
+    policy = FP8.with_fp8_recipe(scaling="delayed", history=4)
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    for _ in range(3):
+        with _region(policy=policy):
+            net(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = mixprec.AmaxHistory(net).state_dict()
+    assert int(saved["weight.amax_steps"]) == 2 and bool((saved["weight.amax_history"][:, -2:] > 0).all())
+    engine.reset()
+
+
+def test_weights_that_are_views_of_one_buffer_keep_histories_of_their_own():
+    """FSDP1 keeps each parameter as a view of part of one flat parameter: each is its own call site."""
+    engine.reset()
+    flat = torch.randn(2 * 48 * 64)
+    small, large = flat[: 48 * 64].view(48, 64), flat[48 * 64 :].view(48, 64)
+    with torch.no_grad():
+        large.mul_(100)
+    x = torch.randn(32, 64)
+    recipe = Fp8Recipe(scaling="delayed", history=2)
+    outs = [_fp8.linear(x, w, None, recipe, torch.float32) for w in (small, large)]
+    for w, out in zip((small, large), outs, strict=True):  # each scaled by its own amax (the first step)
+        assert torch.equal(out, _fp8.linear(x, w.clone(), None, Fp8Recipe(), torch.float32))
+    assert len(_amax._sites) == 2
+    engine.reset()

@@ -341,7 +341,7 @@ class _Sites(torch.overrides.TorchFunctionMode):
         if category is Category.FP8:
             found = _fp8.fit(op, tuple(args), kwargs, device)
             if not isinstance(found, str):
-                x, weight, _ = found
+                x, weight = found.x, found.weight
                 gemm = f"{x.numel() // weight.shape[1]} x {weight.shape[1]} x {weight.shape[0]}"
                 return CallSite(module, name, gemm, policy.fp8_recipe.forward, f"fp8 ({policy.fp8_recipe.scaling})")
             return CallSite(module, name, shape, _devices.dtype_name(dtype), f"fp8 cannot run it: {found}")

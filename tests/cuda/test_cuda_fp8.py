@@ -14,7 +14,7 @@ import torch
 
 import mixprec
 from mixprec.engine import _fp8
-from test_fp8 import RECIPES, _emulated, _inputs
+from test_fp8 import RECIPES, _emulated, _inputs, checkpoint_grads
 from test_fp8_training import _gpt2_losses
 
 FP8 = mixprec.policies.FP8
@@ -62,28 +62,9 @@ def test_a_region_runs_the_fp8_gemms_with_the_output_in_the_region_dtype(device)
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "delayed"])
 def test_checkpointing_is_bit_equal_to_none(device, deterministic, scaling):
     policy = FP8.with_fp8_recipe(scaling=scaling)
-
-    def grads(mode):
-        mixprec.engine.reset()
-        torch.manual_seed(0)
-        net = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(device)
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        for step in range(2):
-            x = torch.randn(64, 128, device=device, requires_grad=True)
-            with mixprec.autocast(device, dtype=torch.bfloat16, policy=policy):
-                if mode == "plain":
-                    out = net(x)
-                else:
-                    out = torch.utils.checkpoint.checkpoint(net, x, use_reentrant=mode == "reentrant")
-            out.float().pow(2).mean().backward()
-            if step == 0:
-                opt.step()
-                opt.zero_grad()
-        return [p.grad for p in net.parameters()] + [x.grad]
-
-    plain = grads("plain")
+    plain = checkpoint_grads(policy, "plain", device)
     for mode in ("reentrant", "non-reentrant"):
-        assert all(torch.equal(a, b) for a, b in zip(plain, grads(mode), strict=True)), mode
+        assert all(torch.equal(a, b) for a, b in zip(plain, checkpoint_grads(policy, mode, device), strict=True)), mode
 
 
 def test_compiled_equals_eager_with_no_graph_break(device):

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -75,37 +75,32 @@ def quantise(
     return q, factor.reciprocal()
 
 
-def owner(weight: torch.Tensor) -> torch.Tensor:
-    """The tensor a weight belongs to: itself, or the parameter it is a view of (``mm``'s ``other.t()``)."""
-    base = weight._base
-    return weight if base is None else base
-
-
-#: A weight's quantisations: ``(id(owner), view geometry, dtype, recipe, dim)`` -> (a weak reference to the
-#: owner, its ``_amax.stamp`` then, ``(q, inverse_scale)``). An in-place update bumps the version, an optimizer
-#: step the process's step count (FSDP2 keeps the version of the weight it gathers into), so an entry is used
-#: only while the weight is unchanged: a weight is quantised once per step however often it is used.
+#: A weight's quantisations: ``(id(source), the weight's view geometry, dtype, recipe, dim)`` -> (a weak
+#: reference to the source, its ``_amax.stamp`` then, ``(q, inverse_scale)``). An in-place update bumps the
+#: version, an optimizer step the process's step count (FSDP2 keeps the version of the weight it gathers
+#: into), so an entry is used only while the weight is unchanged: a weight is quantised once per step however
+#: often it is used.
 _weights: dict[tuple[Any, ...], tuple[Any, tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
 
 
 def quantise_weight(
-    weight: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None
+    weight: torch.Tensor, source: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantise`` for a weight, kept while the weight's version is unchanged (not while tracing: a compiled
-    graph quantises in the graph, where the compiler fuses it)."""
+    """``quantise`` for a weight, kept while its ``source`` (the tensor the call got: the weight itself, or the
+    ``other`` that ``mm`` multiplies by, of which the weight is the transpose) is unchanged (not while tracing:
+    a compiled graph quantises in the graph, where the compiler fuses it)."""
     if _compat.tracing():
         return quantise(weight, dtype, recipe, dim)
-    base = owner(weight)
-    key = (id(base), tuple(weight.shape), weight.stride(), weight.storage_offset(), dtype, recipe, dim)
-    found, now = _weights.get(key), _amax.stamp(base)
-    if found is not None and found[0]() is base and found[1] == now:
+    key = (id(source), tuple(weight.shape), weight.stride(), weight.storage_offset(), dtype, recipe, dim)
+    found, now = _weights.get(key), _amax.stamp(source)
+    if found is not None and found[0]() is source and found[1] == now:
         return found[2]
     out = quantise(weight, dtype, recipe, dim)
 
     def forget(_: object) -> None:
         _weights.pop(key, None)
 
-    _weights[key] = (weakref.ref(base, forget), now, out)
+    _weights[key] = (weakref.ref(source, forget), now, out)
     return out
 
 
@@ -188,16 +183,17 @@ class _Fp8Linear(torch.autograd.Function):
         bias: torch.Tensor | None,
         recipe: Fp8Recipe,
         out_dtype: torch.dtype,
+        source: torch.Tensor,
     ) -> torch.Tensor:
         rowwise = recipe.scaling == "rowwise"
         forward = format_dtype(recipe.forward)
         x2 = x.reshape(-1, x.shape[-1])
-        site = _amax.site(owner(weight), recipe.history) if recipe.scaling == "delayed" else None
+        site = _amax.site(source, recipe.history) if recipe.scaling == "delayed" else None
         xq, sx = quantise(x2, forward, recipe, 1 if rowwise else None, site, _amax.INPUT)
         if site is not None:
             wq, sw = quantise(weight, forward, recipe, None, site, _amax.WEIGHT)
         else:
-            wq, sw = quantise_weight(weight, forward, recipe, 1 if rowwise else None)
+            wq, sw = quantise_weight(weight, source, forward, recipe, 1 if rowwise else None)
         y = scaled_mm(xq.contiguous(), sx, wq.t(), sw.reshape(1, -1) if rowwise else sw, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -212,7 +208,7 @@ class _Fp8Linear(torch.autograd.Function):
             ctx.save_for_backward(x2, weight)
         else:
             ctx.save_for_backward(xq, sx, wq, sw)
-        ctx.recipe, ctx.shape, ctx.has_bias, ctx.site = recipe, x.shape, bias is not None, site
+        ctx.recipe, ctx.shape, ctx.has_bias, ctx.site, ctx.source = recipe, x.shape, bias is not None, site, source
         ctx.dtypes = (_grad_dtype(x), _grad_dtype(weight), bias.dtype if bias is not None else None)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -225,7 +221,7 @@ class _Fp8Linear(torch.autograd.Function):
         if recipe.scaling == "rowwise":
             x2, weight = ctx.saved_tensors
             gq_rows, sg_rows = quantise(g, backward, recipe, 1)  # grad_x = g @ w: contracted over N
-            wq_cols, sw_cols = quantise_weight(weight, forward, recipe, 0)
+            wq_cols, sw_cols = quantise_weight(weight, ctx.source, forward, recipe, 0)
             grad_x = scaled_mm(gq_rows.contiguous(), sg_rows, _column_major(wq_cols), sw_cols, x_dtype)
             gq_cols, sg_cols = quantise(g, backward, recipe, 0)  # grad_w = g.t() @ x: contracted over M
             xq_cols, sx_cols = quantise(x2, forward, recipe, 0)
@@ -242,7 +238,19 @@ class _Fp8Linear(torch.autograd.Function):
             for observe in list(observers):
                 observe(seen)
         grad_b = g.float().sum(0).to(b_dtype) if ctx.has_bias else None
-        return grad_x.reshape(ctx.shape), grad_w, grad_b, None, None
+        return grad_x.reshape(ctx.shape), grad_w, grad_b, None, None, None
+
+
+class Gemm(NamedTuple):
+    """A call fp8 can run, as ``F.linear(x, weight, bias)``; ``source`` is the tensor the weight comes from
+    (``_source``: the weight, or the ``other`` of ``mm`` whose transpose it is, or what either is a whole view
+    of), which keys its kept quantisation and its amax history: a transpose made per call is a new tensor each
+    time."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    source: torch.Tensor
 
 
 def _eligible(t: object, device_type: str) -> bool:
@@ -254,30 +262,37 @@ def _eligible(t: object, device_type: str) -> bool:
     )
 
 
-def fit(
-    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | str:
-    """``(x, weight, bias)`` such that the call is ``F.linear(x, weight, bias)`` and fp8 can run it: a linear,
-    mm, addmm (beta = alpha = 1, a 1-D bias) or matmul of a 2-D second operand, on float32, bfloat16 or float16
-    tensors of the region's device whose GEMM sizes are multiples of 16; for any other call, why not (it runs
-    in the region's dtype instead). The kernels and ``explain`` both ask this."""
+def _source(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a call's weight comes from: ``t``, or the tensor ``t`` is a whole view of (``w.t()`` made per
+    call), so that the same weight keys the same kept quantisation and history from call to call. A view of
+    part of a buffer (FSDP1's parameters in its flat parameter) is its own source."""
+    base = t._base
+    return base if base is not None and base.numel() == t.numel() else t
+
+
+def fit(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str) -> Gemm | str:
+    """``Gemm(x, weight, bias, source)`` such that the call is ``F.linear(x, weight, bias)`` and fp8 can run it:
+    a linear, mm, addmm (beta = alpha = 1, a 1-D bias) or matmul of a 2-D second operand, on float32, bfloat16
+    or float16 tensors of the region's device whose GEMM sizes are multiples of 16; for any other call, why not
+    (it runs in the region's dtype instead). The kernels and ``explain`` both ask this."""
     name = op.overloadpacket.__name__
     if op._overloadname != "default":
         return f"the {op._overloadname} overload is not a plain GEMM"
     if name == "linear":
         x, weight, bias = (*args, None, None)[:3] if not kwargs else (args[0], args[1], kwargs.get("bias"))
+        source = _source(weight)
     elif name in ("mm", "matmul") and len(args) + len(kwargs) == 2:
         x, other = args[0], args[1]
         if not (isinstance(other, torch.Tensor) and other.dim() == 2):
             return "its second operand is not 2-D (a batched matmul)"
-        weight, bias = other.t(), None
+        weight, bias, source = other.t(), None, _source(other)
     elif name == "addmm" and len(args) == 3:
         bias, x, other = args
         if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
             return "addmm with beta or alpha other than 1"
         if not (isinstance(other, torch.Tensor) and isinstance(bias, torch.Tensor) and bias.dim() == 1):
             return "addmm whose bias is not 1-D"
-        weight = other.t()
+        weight, source = other.t(), _source(other)
     else:
         return f"{name} with these arguments is not a linear"
     if not (_eligible(x, device_type) and _eligible(weight, device_type)) or weight.dim() != 2 or x.dim() < 2:
@@ -290,21 +305,26 @@ def fit(
     m = x.numel() // k
     if not aligned(m, k, n):
         return f"its GEMM is {m} x {k} x {n}, not multiples of {ALIGNMENT}"
-    return x, weight, bias
+    return Gemm(x, weight, bias, source)
 
 
-def as_linear(
-    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """``fit``'s ``(x, weight, bias)``, or None where fp8 cannot run the call."""
+def as_linear(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str) -> Gemm | None:
+    """``fit``'s ``Gemm``, or None where fp8 cannot run the call."""
     found = fit(op, args, kwargs, device_type)
     return None if isinstance(found, str) else found
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, recipe: Fp8Recipe, out_dtype: torch.dtype
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    recipe: Fp8Recipe,
+    out_dtype: torch.dtype,
+    source: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with its three GEMMs in fp8 under ``recipe``, the output in ``out_dtype``.
-    The caller checks ``aligned`` first (an unaligned call runs in the region's dtype instead). A delayed recipe
-    scales by the weight's amax history (``_amax``)."""
-    return _Fp8Linear.apply(x, weight, bias, recipe, out_dtype)  # type: ignore[no-any-return]
+    The caller checks ``aligned`` first (an unaligned call runs in the region's dtype instead). ``source``
+    (default: the weight) keys the weight's kept quantisation and, under a delayed recipe, its amax history
+    (``_amax``)."""
+    source = weight if source is None else source
+    return _Fp8Linear.apply(x, weight, bias, recipe, out_dtype, source)  # type: ignore[no-any-return]

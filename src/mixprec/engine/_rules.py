@@ -148,7 +148,8 @@ def scaled(category: Category, recipe: Fp8Recipe) -> Rule:
         plan = decide(dtype, (), False, "")
         found = _fp8.as_linear(op, args, kwargs, device)
         if found is not None:
-            return _fp8.linear(*found, recipe, plan.cast_to)  # type: ignore[arg-type]
+            x, weight, bias, source = found
+            return _fp8.linear(x, weight, bias, recipe, plan.cast_to, source)  # type: ignore[arg-type]
         cast, cast_kwargs = _cast.cast_call(args, kwargs, plan.cast_to, device, True)  # type: ignore[arg-type]
         return op(*cast, **cast_kwargs)
 
