@@ -32,6 +32,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "OpInfo and ModuleInfo comparison with native": ("test_cpu_opinfo.py",),
     "Reference interpreter (differential)": ("test_differential.py",),
     "Policies as mixprec kernels at the Autocast keys": ("test_kernels.py", "test_install.py", "test_module.py"),
+    "C++ kernels (built against the release)": ("test_fastpath.py",),
     "torch.compile (aot_eager, inductor)": ("test_compile.py", "test_compiled.py", "test_patterns.py"),
     "torch.export and FX": ("test_graph.py",),
     "torch.autocast interplay, checkpointing": ("test_interop.py",),
@@ -49,11 +50,11 @@ FEATURES: dict[str, tuple[str, ...]] = {
 #: checkpoint recompute (interop, frameworks), the reference interpreter (differential), the release's own
 #: tables (compat), a sample of the OpInfo comparison (cpu_opinfo), torch._scaled_mm (fp8), and fp8 under DDP,
 #: FSDP2 (which keeps the version counters of the weights it gathers) and the frameworks (fp8_distributed,
-#: fp8_training).
+#: fp8_training), and the C++ kernels, built against each release's headers (fastpath).
 VERSION_SENSITIVE = (
     "test_compat.py", "test_compile.py", "test_compiled.py", "test_patterns.py", "test_graph.py",
     "test_kernels.py", "test_install.py", "test_interop.py", "test_frameworks.py", "test_differential.py",
-    "test_cpu_opinfo.py", "test_fp8.py", "test_fp8_distributed.py", "test_fp8_training.py",
+    "test_cpu_opinfo.py", "test_fp8.py", "test_fp8_distributed.py", "test_fp8_training.py", "test_fastpath.py",
 )
 #: In the OpInfo sample: every op torch autocasts on CPU, and this share of the others (by a stable hash).
 OPINFO_SAMPLE_ONE_IN = 6

@@ -26,9 +26,11 @@ for cat of float16 inputs under bfloat16). Two kinds of op are compared less:
 Under the default policy with native compute mixprec registers no kernel, so
 torch's own autocast would run and the comparison would prove nothing. Each
 test therefore gives every overload torch has an AutocastCPU kernel for a
-mixprec kernel (``_kernels.register``), which then reproduces native in Python,
-runs mixprec, and drops the kernels again; native runs first, with none of
-mixprec's kernels registered. There are no known divergences.
+mixprec kernel (``_kernels.register``), which then reproduces native (in C++
+where ``engine/_fastpath`` takes the call, else in Python), runs mixprec, and
+drops the kernels again; native runs first, with none of mixprec's kernels
+registered. There are no known divergences. ``test_fastpath.py`` holds the C++
+kernels to the Python ones.
 
 mixprec runs with ``compute="native"`` here, so that the comparison with native
 autocast holds bit for bit on any machine, whatever ``compute="auto"`` picks on it.

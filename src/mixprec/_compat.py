@@ -20,9 +20,11 @@ from __future__ import annotations
 import functools
 import re
 import sys
+import time
 import types
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -368,6 +370,27 @@ def backend_key(device_type: str) -> str | None:
         return str(torch._C._dispatch_key_for_device(device_type))
     except RuntimeError:
         return None
+
+
+def load_extension(name: str, source: str, directory: Path) -> Any:
+    """``torch.utils.cpp_extension.load``: ``source`` built against this torch in ``directory`` (once) and
+    imported. The C++ reaches these internals, present on every supported release and built by
+    ``tests/test_fastpath.py`` on each: ``OperatorHandle::getComputedKernelForDispatchKey`` (the Python kernel
+    below the C++ one), ``SavedTensorDefaultHooks::get_tls_state``, ``torch::autograd::get_current_graph_task_id``,
+    ``THPVariable_Wrap`` and ``THPDtype``.
+
+    torch's build waits for as long as a ``lock`` file stays in the build directory, and a build killed
+    midway (Ctrl-C) leaves one: a lock older than any build takes is removed first."""
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > 600:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+    return cpp_extension.load(name, [source], extra_cflags=["-O2"], build_directory=str(directory), verbose=False)
 
 
 def register_kernel(library: Any, name: str, kernel: Callable[..., Any], key: str) -> None:

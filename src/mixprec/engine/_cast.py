@@ -135,6 +135,13 @@ def _cached(weight: torch.Tensor, dtype: torch.dtype, cache: Cache | TorchCache)
     return out
 
 
+def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight's cast in a C++ kernel (``_fastpath.cpp``), as ``cast_call`` makes it for a cached target: through
+    ``cache_for_call()``'s cache, or plainly without one."""
+    cache = cache_for_call()
+    return to(weight, dtype) if cache is None else _cached(weight, dtype, cache)
+
+
 def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | TorchCache | None) -> Any:
     """Cast a tensor argument, or the tensors of a list/tuple argument (a TensorList)."""
     if isinstance(value, _Tensor):

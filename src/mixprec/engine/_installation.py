@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -54,6 +55,9 @@ class Installation:
 
 
 current: Installation | None = None
+#: Told, with whether nothing is installed now, when ``current`` changes (``_kernels`` sets it for the C++
+#: kernels, which must leave a call with no setting to Python while an installation is in force).
+on_change: Callable[[bool], None] | None = None
 
 
 class InstallHandle:
@@ -84,6 +88,8 @@ class InstallHandle:
         with _lock:
             if current is self._installation:
                 current = None
+                if on_change is not None:
+                    on_change(True)
 
     def __enter__(self) -> InstallHandle:
         return self
@@ -101,6 +107,8 @@ def put(installation: Installation) -> None:
     global current
     with _lock:
         current = installation
+        if on_change is not None:
+            on_change(False)
 
 
 def installed_setting(device_type: str) -> _state.Setting | None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mixprec import _compat, _errors
-from mixprec.engine import _cast, _guard, _memo, _plan, _recompute, _rules, _state, _tables
+from mixprec.engine import _cast, _fastpath, _guard, _memo, _plan, _recompute, _rules, _state, _tables
 from mixprec.engine import _installation as _install
 from mixprec.policies import Category, Policy
 from mixprec.policies._category import Action
@@ -97,7 +97,7 @@ def ensure(setting: _state.Setting) -> None:
 
 def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
     """Give each overload in ``ops`` a mixprec kernel at ``key`` (those it has already keep theirs)."""
-    grew = False
+    grew = fast = False
     with _lock:
         _tables.native_registrations(key)  # read torch's own list before adding to it
         done = _registered.setdefault(key, set())
@@ -111,11 +111,14 @@ def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
                 warnings.filterwarnings("ignore", message=".*Warning only once for all operators.*")
                 warnings.filterwarnings("ignore", message=".*previously registered kernel.*")
                 _compat.register_kernel(library, name, _kernel(op, device_type, key), key)
+                fast |= _fastpath.attach(op, key, device_type)  # the C++ kernel on top of it
             done.add(op)
             grew = True
         if grew:
             _state.set_kernels_registered(True)  # regions of the default policy must set their setting now
             _cast.follow_torch(True)  # the kernels cache as torch does in plain regions: clear with torch
+        if fast:
+            _follow_settings(device_type)
     if grew and _compat.dynamo_loaded():
         # Graphs compiled before saw no kernel for these ops and carry no guard on mixprec's settings. While a
         # trace runs, dynamo cannot be reset: the next eager ``ensure`` does it (a new generation sends every
@@ -132,6 +135,9 @@ def reset() -> None:
     global generation
     with _lock:
         generation = object()
+        _state.on_change = None
+        _install.on_change = None
+        _fastpath.detach_all()  # the C++ kernels first: each calls the Python kernel below it
         for library in _libraries.values():
             _compat.destroy_library(library)
         _libraries.clear()
@@ -183,6 +189,32 @@ def native_entries(device_type: str) -> dict[Op, Entry]:
         policy = _tables.default_policy(device_type)
         found = _native.put(device_type, _entries(policy, device_type, _tables.native(device_type), None))
     return found
+
+
+def _follow_settings(device_type: str) -> None:
+    """Give the C++ kernels (``_fastpath``) the device's native table and this thread's setting's, and keep
+    them told of every thread's settings and of ``mixprec.install``."""
+    _fastpath.set_native(device_type, _fastpath.table(native_entries(device_type)))
+    _state.on_change = _setting_changed
+    _install.on_change = _fastpath.native_allowed
+    _fastpath.native_allowed(_install.current is None)
+    setting = _state.get().active.get(device_type)
+    if setting is not None:
+        _setting_changed(device_type, setting)
+
+
+def _setting_changed(device_type: str, setting: _state.Setting | None) -> None:
+    """This thread's setting for ``device_type`` is now ``setting``: its plans go to the C++ kernels."""
+    if device_type in _fastpath.known_devices():
+        _fastpath.set_active(device_type, None if setting is None else _setting_table(setting))
+
+
+def _setting_table(setting: _state.Setting) -> Any:
+    """The C++ table of ``setting``'s runners, made again when more overloads have kernels."""
+    made = setting.derived.get("fast")
+    if made is None or made[0] != _fastpath.count():
+        made = setting.derived["fast"] = (_fastpath.count(), _fastpath.table(entries(setting)))
+    return made[1]
 
 
 def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:

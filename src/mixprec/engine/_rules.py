@@ -176,6 +176,7 @@ def runner(op: Op, device_type: str, category: Category, rule: Rule, emulate: bo
         cast, cast_kwargs = cast_call(args, kwargs, fixed or get_dtype(device_type), device_type, cached)
         return call(*cast, **cast_kwargs)
 
+    run.cast_plan = (fixed, cached)  # type: ignore[attr-defined]  # what the C++ kernels do instead (_fastpath)
     return run
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from mixprec import _compat
@@ -86,10 +87,55 @@ def set_kernels_registered(registered: bool) -> None:
     kernels_registered = registered
 
 
+#: Told of every change to a thread's settings, on that thread: ``(device type, its setting now or None)``.
+#: ``_kernels`` sets it once it has C++ kernels, which keep a copy of each thread's plans (``_fastpath``).
+on_change: Callable[[str, Setting | None], None] | None = None
+
+
+class ActiveSettings(dict[str, Setting]):
+    """A thread's settings, device type -> innermost setting: a dict that tells ``on_change`` of each change."""
+
+    def __setitem__(self, device_type: str, setting: Setting) -> None:
+        super().__setitem__(device_type, setting)
+        if on_change is not None:
+            on_change(device_type, setting)
+
+    def pop(self, device_type: str, *default: Any) -> Any:  # type: ignore[override]
+        found = super().pop(device_type, *default)
+        if on_change is not None:
+            on_change(device_type, None)
+        return found
+
+    def clear(self) -> None:
+        devices = list(self)
+        super().clear()
+        if on_change is not None:
+            for device_type in devices:
+                on_change(device_type, None)
+
+    def update(self, *others: Any, **more: Any) -> None:
+        for device_type, setting in dict(*others, **more).items():
+            self[device_type] = setting
+
+    def __delitem__(self, device_type: str) -> None:
+        self.pop(device_type)
+
+    def setdefault(self, device_type: str, setting: Any = None) -> Any:
+        if device_type not in self:
+            self[device_type] = setting
+        return self[device_type]
+
+    def popitem(self) -> tuple[str, Setting]:
+        device_type, setting = super().popitem()
+        if on_change is not None:
+            on_change(device_type, None)
+        return device_type, setting
+
+
 class ThreadState(threading.local):
     def __init__(self) -> None:
         self.ident = threading.get_ident()  # this thread's entry in ``holders``
-        self.active: dict[str, Setting] = {}  # device type -> innermost mixprec setting
+        self.active: dict[str, Setting] = ActiveSettings()  # device type -> innermost mixprec setting
         self.frames: list[Frame] = []
         self.module_policies: list[Policy] = []  # set_module_policy: innermost last
         self.cache: dict[Any, Any] = {}  # mixprec's cast cache (``_cast``)

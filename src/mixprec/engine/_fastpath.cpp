@@ -1,0 +1,257 @@
+// mixprec's kernels at the Autocast keys, in C++: the commonest call decided without Python.
+//
+// ``_fastpath.py`` builds this file on first use and registers one ``Kernel`` per overload on top of the Python
+// kernel ``_kernels`` registered at the same key. A call takes the fast path when all of these hold:
+//
+//   - this thread has a mixprec setting for the device (a ``Table``, pushed by ``_state.ActiveSettings``);
+//   - the setting's plan for the overload is a plain cast (``CAST``: the target dtype, or the region's, and
+//     whether weights go through the cast cache) or none at all (``THROUGH``: torch's fallthrough);
+//   - the call is in forward (no autograd graph task), with grad mode on and no saved-tensor hooks, so that no
+//     checkpoint has to record it;
+//   - no key of a tracer, a Python mode or a functorch transform is in the call's key set.
+//
+// Everything else (and a weight's cast, which goes through the Python cast cache) calls the Python kernel, the
+// one implementation of every rule; the fast path repeats only ``_rules.runner``'s cast and ``_plan``'s
+// eligibility test, and a test holds it to the Python kernel op by op.
+
+#include <torch/extension.h>
+
+#include <ATen/SavedTensorHooks.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/library.h>
+
+#include <torch/csrc/Dtype.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <mutex>
+#include <memory>
+#include <vector>
+
+namespace {
+
+enum Kind : int8_t { SLOW = 0, THROUGH = 1, CAST = 2 };
+
+struct Plan {
+  int8_t kind = SLOW;
+  int8_t dtype = -1;  // a c10::ScalarType, or -1: the region's dtype
+  bool cached = false;  // weights go through the cast cache
+};
+
+// A setting's plans, indexed by the overloads' kernel numbers (a number past the end: SLOW).
+struct Table {
+  std::vector<Plan> plans;
+};
+
+constexpr size_t kDevices = 8;
+// Per device slot: this thread's setting's table, and the process's table of torch's native categories (for
+// a thread with no setting; null while mixprec.install is in force). Native tables are kept for the life of
+// the process, so a reader never sees one freed.
+thread_local std::array<std::shared_ptr<const Table>, kDevices> active;
+std::array<std::atomic<const Table*>, kDevices> native{};
+std::mutex native_lock;
+std::atomic<bool> enabled{true};  // false: every call goes to the Python kernel (``_fastpath.suspended``)
+// This thread's calls taken by the C++ kernels and handed to Python (for tests and ``_fastpath.counts``).
+thread_local int64_t fast_calls = 0;
+thread_local int64_t python_calls = 0;
+std::vector<std::shared_ptr<const Table>> native_kept;
+
+// ``_cast.cast_weight``: a weight's cast through the cache the Python kernel would use (leaked on purpose: it
+// lives as long as the interpreter, and is never released at exit without the GIL).
+PyObject* cast_weight = nullptr;
+
+c10::DispatchKeySet slow_keys() {
+  // A call with any of these goes to the Python kernel: it traces, or runs a Python mode or a transform.
+  c10::DispatchKeySet keys;
+  for (auto k : {c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot, c10::DispatchKey::PythonDispatcher,
+                 c10::DispatchKey::PreDispatch, c10::DispatchKey::Functionalize, c10::DispatchKey::Tracer,
+                 c10::DispatchKey::FuncTorchDynamicLayerFrontMode, c10::DispatchKey::FuncTorchDynamicLayerBackMode,
+                 c10::DispatchKey::FuncTorchGradWrapper, c10::DispatchKey::FuncTorchBatched,
+                 c10::DispatchKey::FuncTorchVmapMode, c10::DispatchKey::BatchedNestedTensor,
+                 c10::DispatchKey::Batched, c10::DispatchKey::VmapMode}) {
+    keys = keys | c10::DispatchKeySet(k);
+  }
+  return keys;
+}
+
+// The dtypes autocast may cast from, as ``_plan.eligible`` says (``set_eligible``; floating point, not float64).
+std::array<bool, static_cast<size_t>(c10::ScalarType::NumOptions)> castable{};
+
+bool eligible(const at::Tensor& t, at::ScalarType dtype, c10::DeviceType device) {
+  // ``_plan.eligible_tensor`` (a castable dtype, on the device) and not already ``dtype``.
+  auto source = t.scalar_type();
+  return source != dtype && castable[static_cast<size_t>(source)] && t.device().type() == device;
+}
+
+bool is_weight(const at::Tensor& t) {
+  // ``_cast.cast_call``'s test for a cast the cache keeps: a float32 leaf that requires grad, not a view.
+  return t.scalar_type() == at::kFloat && t.requires_grad() && t.is_leaf() && !t.is_view();
+}
+
+at::Tensor cast_cached(const at::Tensor& weight, at::ScalarType dtype) {
+  pybind11::gil_scoped_acquire gil;
+  PyObject* w = THPVariable_Wrap(weight);
+  if (w == nullptr) throw pybind11::error_already_set();
+  PyObject* d = reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype));
+  PyObject* out = PyObject_CallFunctionObjArgs(cast_weight, w, d, nullptr);
+  Py_DECREF(w);
+  if (out == nullptr) throw pybind11::error_already_set();
+  at::Tensor result = THPVariable_Unpack(out);
+  Py_DECREF(out);
+  return result;
+}
+
+at::Tensor cast_one(const at::Tensor& t, at::ScalarType dtype, c10::DeviceType device, bool cache) {
+  if (!eligible(t, dtype, device)) return t;
+  if (cache && is_weight(t)) return cast_cached(t, dtype);
+  return t.to(dtype);
+}
+
+struct Kernel final : c10::OperatorKernel {
+  Kernel(int64_t number, size_t slot, c10::DeviceType device, c10::DispatchKey key, c10::SafeKernelFunction python)
+      : number(number),
+        slot(slot),
+        device(device),
+        key(key),
+        after(c10::DispatchKeySet::FULL_AFTER, key),
+        avoid(slow_keys()),
+        python(std::move(python)) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const Table* table = active[slot].get();
+    if (table == nullptr) table = native[slot].load(std::memory_order_acquire);
+    if (table == nullptr || static_cast<size_t>(number) >= table->plans.size() ||
+        !enabled.load(std::memory_order_relaxed)) {
+      ++python_calls;
+      return python.callBoxed(op, ks, stack);
+    }
+    const Plan plan = table->plans[number];
+    if (plan.kind == SLOW || !(ks & avoid).empty() || torch::autograd::get_current_graph_task_id() >= 0 ||
+        !at::GradMode::is_enabled() || !at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) {
+      ++python_calls;
+      return python.callBoxed(op, ks, stack);
+    }
+    ++fast_calls;
+    if (plan.kind == THROUGH) {
+      return op.redispatchBoxed(ks & after, stack);
+    }
+    const auto dtype = plan.dtype >= 0 ? static_cast<at::ScalarType>(plan.dtype) : at::autocast::get_autocast_dtype(device);
+    const bool cache = plan.cached && at::autocast::is_autocast_cache_enabled();
+    const size_t n = op.schema().arguments().size();
+    for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n); it != stack->end(); ++it) {
+      c10::IValue& value = *it;
+      if (value.isTensor()) {
+        value = cast_one(value.toTensor(), dtype, device, cache);
+      } else if (value.isTensorList()) {
+        const auto list = value.toTensorList();
+        c10::List<at::Tensor> out;
+        out.reserve(list.size());
+        for (const at::Tensor& t : list) out.push_back(cast_one(t, dtype, device, cache));
+        value = std::move(out);
+      } else if (value.isList()) {
+        const auto list = value.toList();
+        c10::impl::GenericList out(list.elementType());
+        out.reserve(list.size());
+        for (const c10::IValue& item : list) {
+          out.push_back(item.isTensor() ? c10::IValue(cast_one(item.toTensor(), dtype, device, cache)) : item);
+        }
+        value = std::move(out);
+      }
+    }
+    c10::impl::ExcludeDispatchKeyGuard guard(key);
+    op.callBoxed(stack);
+  }
+
+  int64_t number;
+  size_t slot;
+  c10::DeviceType device;
+  c10::DispatchKey key;
+  c10::DispatchKeySet after;
+  c10::DispatchKeySet avoid;
+  c10::SafeKernelFunction python;
+};
+
+// One overload's C++ kernel, registered on top of its Python kernel; dropping it takes the C++ kernel away.
+struct Registration {
+  std::unique_ptr<torch::Library> library;
+};
+
+std::shared_ptr<Registration> attach(const std::string& name, const std::string& overload, const std::string& key_name,
+                                     int64_t number, int64_t slot, const std::string& device) {
+  // None where the dispatcher has no schema for the overload (``aten::index_put.hacked_twin``: TorchScript's own,
+  // with a kernel but no schema): its Python kernel serves it alone.
+  const auto key = c10::parseDispatchKey(key_name);
+  const auto found = c10::Dispatcher::singleton().findSchema(c10::OperatorName(name, overload));
+  if (!found.has_value()) return nullptr;
+  const auto& op = *found;
+  auto python = op.getComputedKernelForDispatchKey(key);
+  const auto ns = name.substr(0, name.find("::"));
+  const auto bare = name.substr(name.find("::") + 2);
+  auto reg = std::make_shared<Registration>();
+  reg->library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
+  const std::string full = overload.empty() || overload == "default" ? bare : bare + "." + overload;
+  reg->library->impl(full.c_str(),
+                     torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Kernel>(
+                         number, static_cast<size_t>(slot), c10::Device(device).type(), key, std::move(python))));
+  return reg;
+}
+
+std::shared_ptr<Table> make_table(const std::vector<std::tuple<int64_t, pybind11::object, bool>>& plans) {
+  // (kind, target dtype or None for the region's, cached) per overload number.
+  auto table = std::make_shared<Table>();
+  table->plans.reserve(plans.size());
+  for (const auto& [kind, dtype, cached] : plans) {
+    int8_t target = -1;
+    if (!dtype.is_none()) {
+      TORCH_CHECK(THPDtype_Check(dtype.ptr()), "mixprec: a plan's dtype must be a torch.dtype");
+      target = static_cast<int8_t>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+    }
+    table->plans.push_back(Plan{static_cast<int8_t>(kind), target, cached});
+  }
+  return table;
+}
+
+void set_native(int64_t slot, std::shared_ptr<Table> table) {
+  TORCH_CHECK(slot >= 0 && static_cast<size_t>(slot) < kDevices, "mixprec: no fast-path slot ", slot);
+  std::lock_guard<std::mutex> hold(native_lock);
+  if (table && std::find(native_kept.begin(), native_kept.end(), table) == native_kept.end()) {
+    native_kept.push_back(table);
+  }
+  native[slot].store(table.get(), std::memory_order_release);
+}
+
+void set_active(int64_t slot, std::shared_ptr<Table> table) {
+  TORCH_CHECK(slot >= 0 && static_cast<size_t>(slot) < kDevices, "mixprec: no fast-path slot ", slot);
+  active[slot] = std::move(table);
+}
+
+void set_cast_weight(pybind11::object fn) {
+  Py_XDECREF(cast_weight);
+  cast_weight = fn.release().ptr();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Table, std::shared_ptr<Table>>(m, "Table");
+  pybind11::class_<Registration, std::shared_ptr<Registration>>(m, "Registration");
+  m.def("attach", &attach);
+  m.def("make_table", &make_table);
+  m.def("set_active", &set_active);
+  m.def("set_native", &set_native);
+  m.def("set_enabled", [](bool on) { enabled.store(on); });
+  m.def("set_eligible", [](const std::vector<pybind11::object>& dtypes) {
+    castable.fill(false);
+    for (const auto& d : dtypes) {
+      TORCH_CHECK(THPDtype_Check(d.ptr()), "mixprec: set_eligible takes torch.dtype objects");
+      castable[static_cast<size_t>(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type)] = true;
+    }
+  });
+  m.def("counts", []() { return std::make_tuple(fast_calls, python_calls); });
+  m.def("set_cast_weight", &set_cast_weight);
+}

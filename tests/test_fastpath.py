@@ -1,0 +1,298 @@
+"""The C++ kernels (``engine/_fastpath``): built on every supported release, taken where their conditions hold,
+handing every other call to the Python kernel, and bit-equal to it (values, dtypes, gradients and casts).
+
+``test_cpu_opinfo.py`` compares the kernels, C++ where they take the call, with native over torch's OpInfo
+database; here the same calls run with the C++ kernels suspended (the Python kernels alone) and with them, and
+each condition that sends a call to Python is checked to do so.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import mixprec
+from mixprec import engine
+from mixprec.engine import _cast, _fastpath, _kernels, _tables
+
+KEY = "AutocastCPU"
+
+
+@pytest.fixture(autouse=True)
+def _every_native_op_as_a_kernel():
+    engine.reset()
+    _kernels.register(KEY, "cpu", frozenset(_tables.native("cpu")))
+    yield
+    engine.reset()
+
+
+def _counted(fn):  # type: ignore[no-untyped-def]
+    """``fn()``, and how many calls the C++ kernels took and handed to Python meanwhile (this thread)."""
+    fast, slow = _fastpath.counts()
+    out = fn()
+    after = _fastpath.counts()
+    return out, after[0] - fast, after[1] - slow
+
+
+def _same(a, b) -> None:  # type: ignore[no-untyped-def]
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+def test_the_extension_builds_on_this_torch():
+    if os.environ.get("MIXPREC_CPP") == "0":
+        assert _fastpath.extension() is None and _fastpath.disabled_reason() == "MIXPREC_CPP=0"
+    else:
+        assert _fastpath.extension() is not None, _fastpath.disabled_reason()
+        assert _fastpath.disabled_reason() is None
+
+
+pytestmark = pytest.mark.skipif(os.environ.get("MIXPREC_CPP") == "0", reason="MIXPREC_CPP=0: no C++ kernels")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Conv1d(4, 8, 3, padding=1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(8 * 16, 32),
+        torch.nn.GELU(),
+        torch.nn.Linear(32, 8),
+        torch.nn.LogSoftmax(-1),
+    )
+
+
+def _step(region, model: torch.nn.Module, x: torch.Tensor):  # type: ignore[no-untyped-def]
+    """Forward in ``region()``, backward outside it: (output, every parameter's gradient)."""
+    model.zero_grad(set_to_none=True)
+    with region():
+        out = model(x)
+        extra = torch.bmm(out[None], out.t()[None]).sum() + torch.addmm(out, out, torch.ones(8, 8)).sum()
+    (out.float().sum() + extra.float().sum()).backward()
+    return out.detach(), [p.grad for p in model.parameters()]
+
+
+REGIONS = {
+    "torch.autocast": lambda: torch.autocast("cpu"),
+    "torch.autocast fp16": lambda: torch.autocast("cpu", dtype=torch.float16),
+    "mixprec.autocast": lambda: mixprec.autocast("cpu", compute="native"),
+    "mixprec policy": lambda: mixprec.autocast(
+        "cpu", policy=mixprec.policies.CPU.with_ops(fp32=["addmm"], lower_precision_fp=["gelu"]), compute="native"
+    ),
+}
+
+
+@pytest.mark.parametrize("region", list(REGIONS))
+def test_a_training_step_equals_the_python_kernels_bit_for_bit(region):
+    x = torch.randn(6, 4, 16)
+    with _fastpath.suspended():
+        (python, python_grads), fast, _ = _counted(lambda: _step(REGIONS[region], _model(), x))
+    assert fast == 0
+    (out, grads), fast, _ = _counted(lambda: _step(REGIONS[region], _model(), x))
+    assert fast >= 5  # conv1d, the two linears, bmm, addmm (some cast, some fall through)
+    _same(out, python)
+    _same(grads, python_grads)
+
+
+@pytest.mark.parametrize("region", ["mixprec.autocast", "torch.autocast"])
+def test_the_fast_path_casts_weights_through_the_python_cache(region):
+    model = torch.nn.Linear(8, 8)
+    x = torch.randn(2, 8)
+    cache = _cast.thread_cache() if region == "mixprec.autocast" else _cast._torch_cache  # (see _cast)
+    with REGIONS[region]():
+        outs, fast, slow = _counted(lambda: [model(x) for _ in range(3)])
+        kept = {id(entry[-1]) for entry in cache.values()}
+        assert len(cache) == 2  # the weight and the bias, once each
+    assert fast == 3 and slow == 0 and len(kept) == 2
+    assert all(out.dtype is torch.bfloat16 for out in outs)
+
+
+def test_an_in_place_update_of_a_weight_is_cast_again():
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with mixprec.autocast("cpu", compute="native"):
+        before = model(x)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        (after, fast, _) = _counted(lambda: model(x))
+    assert fast == 1
+    with torch.no_grad():
+        expected = torch.nn.functional.linear(x.bfloat16(), model.weight.bfloat16(), model.bias.bfloat16())
+    assert torch.equal(after, expected) and not torch.equal(before, after)
+
+
+@pytest.mark.parametrize(
+    "condition",
+    ["no_grad", "checkpoint", "reentrant checkpoint", "dispatch mode", "backward", "install", "suspended"],
+)
+def test_calls_the_fast_path_must_not_decide_go_to_python(condition):
+    model = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    region = lambda: torch.autocast("cpu")  # noqa: E731
+    if condition == "no_grad":
+
+        def run():  # type: ignore[no-redef]
+            with torch.no_grad():
+                return model(x)
+    elif condition == "checkpoint":
+        run = lambda: checkpoint(model, x, use_reentrant=False)  # noqa: E731
+    elif condition == "reentrant checkpoint":
+        run = lambda: checkpoint(model, x, use_reentrant=True)  # noqa: E731
+    elif condition == "dispatch mode":
+
+        class Through(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                return func(*args, **(kwargs or {}))
+
+        def run():  # type: ignore[no-redef]
+            with Through():
+                return model(x)
+    elif condition == "backward":
+
+        def run():  # type: ignore[no-redef]
+            y = torch.ones(4, 8, requires_grad=True)
+
+            class MmInBackward(torch.autograd.Function):
+                @staticmethod
+                def forward(ctx, t):  # type: ignore[no-untyped-def]
+                    return t.clone()
+
+                @staticmethod
+                def backward(ctx, g):  # type: ignore[no-untyped-def]
+                    return torch.mm(g, torch.eye(8))
+
+            with torch.autocast("cpu"):
+                MmInBackward.apply(y).sum().backward()
+            return y.grad
+    elif condition == "install":
+
+        def run():  # type: ignore[no-redef]
+            with mixprec.install(), torch.autocast("cpu"):
+                return model(x)
+    else:
+
+        def run():  # type: ignore[no-redef]
+            with _fastpath.suspended():
+                return model(x)
+
+    with region():
+        out, fast, slow = _counted(run)
+    assert fast == 0 and slow >= 1
+    assert out.dtype in (torch.bfloat16, torch.float32)
+
+
+def test_a_checkpoint_under_the_fast_path_equals_no_checkpoint():
+    model = _model()
+    x = torch.randn(6, 4, 16)
+    with mixprec.autocast("cpu", policy=mixprec.policies.CPU.with_ops(fp32=["conv1d"]), compute="native"):
+        plain = model(x)
+    plain.float().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    with mixprec.autocast("cpu", policy=mixprec.policies.CPU.with_ops(fp32=["conv1d"]), compute="native"):
+        out = checkpoint(model, x, use_reentrant=False)
+    out.float().sum().backward()
+    _same(out, plain)
+    _same([p.grad for p in model.parameters()], grads)
+
+
+def test_each_thread_keeps_its_own_setting():
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    policies = {
+        "fp16": mixprec.policies.CPU,
+        "fp32": mixprec.policies.CPU.with_ops(fp32=["mm"]),
+    }
+    results: dict[str, list[torch.dtype]] = {}
+    barrier = threading.Barrier(2)
+
+    def work(name: str) -> None:
+        dtype = torch.float16 if name == "fp16" else torch.bfloat16
+        with mixprec.autocast("cpu", dtype=dtype, policy=policies[name], compute="native"):
+            barrier.wait()
+            results[name] = [torch.mm(a, b).dtype for _ in range(200)]
+            barrier.wait()
+
+    threads = [threading.Thread(target=work, args=(name,)) for name in policies]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(results["fp16"]) == {torch.float16}
+    assert set(results["fp32"]) == {torch.float32}
+    with torch.autocast("cpu"):  # this thread: no setting, the native table
+        out, fast, _ = _counted(lambda: torch.mm(a, b))
+    assert out.dtype is torch.bfloat16 and fast == 1
+
+
+def test_a_module_policy_reaches_the_fast_path():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    handle = mixprec.set_module_policy(model[1], mixprec.policies.CPU.with_ops(fp32=["linear"]))
+    try:
+        with mixprec.autocast("cpu", compute="native"):
+            first = model[0](torch.randn(2, 4))
+            second, fast, _ = _counted(lambda: model[1](first))
+    finally:
+        handle.remove()
+    assert first.dtype is torch.bfloat16 and second.dtype is torch.float32 and fast == 1
+
+
+def test_a_tensor_list_argument_is_cast_by_both_paths_alike():
+    # aten::lstm.input takes its parameters as a Tensor[] (lower_precision_fp on CPU where listed).
+    torch.manual_seed(0)
+    lstm = torch.nn.LSTM(8, 8, batch_first=True)
+    x = torch.randn(2, 5, 8)
+
+    def run():  # type: ignore[no-untyped-def]
+        lstm.zero_grad(set_to_none=True)
+        with torch.autocast("cpu"):
+            out, _ = lstm(x)
+        out.float().sum().backward()
+        return out.detach(), [p.grad for p in lstm.parameters()]
+
+    with _fastpath.suspended():
+        expected = run()
+    _same(run(), expected)
+
+
+def test_a_banned_op_still_raises_through_the_python_kernel():
+    policy = mixprec.policies.CPU.with_ops(banned=["mm"])
+    with mixprec.autocast("cpu", policy=policy, compute="native"), pytest.raises(RuntimeError, match="mm"):
+        torch.mm(torch.randn(2, 2), torch.randn(2, 2))
+
+
+def test_reset_takes_the_cpp_kernels_away():
+    engine.reset()
+    with torch.autocast("cpu"):
+        _, fast, slow = _counted(lambda: torch.mm(torch.randn(2, 2), torch.randn(2, 2)))
+    assert fast == 0 and slow == 0
+
+
+@pytest.mark.parametrize("dtype", _fastpath.dtypes(), ids=str)
+def test_eligibility_of_every_dtype_is_the_python_rule(dtype):
+    # One op per source dtype, plain region: the C++ kernel casts exactly where _plan.eligible_tensor says.
+    try:
+        t = torch.ones(2, 2).to(dtype)
+    except (RuntimeError, TypeError, NotImplementedError):  # nothing converts to it on CPU (bits, float4)
+        t = torch.empty(2, 2, dtype=dtype)  # (the same bits for both paths)
+    with torch.autocast("cpu"):
+        try:
+            with _fastpath.suspended():
+                expected = torch.ops.aten.mm.default(t, t)
+        except (RuntimeError, NotImplementedError) as error:
+            with pytest.raises(type(error)):
+                torch.ops.aten.mm.default(t, t)
+            return
+        out, fast, _ = _counted(lambda: torch.ops.aten.mm.default(t, t))
+    assert fast == 1
+    _same(out, expected)
