@@ -134,16 +134,32 @@ def test_an_in_place_update_of_a_weight_is_cast_again():
 
 @pytest.mark.parametrize(
     "condition",
-    ["no_grad", "checkpoint", "reentrant checkpoint", "dispatch mode", "backward", "install", "suspended"],
+    [
+        "no_grad in a Function's forward", "inference_mode", "checkpoint", "reentrant checkpoint", "dispatch mode",
+        "backward", "install", "suspended",
+    ],
 )
 def test_calls_the_fast_path_must_not_decide_go_to_python(condition):
     model = torch.nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True)
     region = lambda: torch.autocast("cpu")  # noqa: E731
-    if condition == "no_grad":
+    if condition == "no_grad in a Function's forward":
+
+        class Forward(torch.autograd.Function):  # (as the reentrant checkpoint runs its function)
+            @staticmethod
+            def forward(ctx, t):  # type: ignore[no-untyped-def]
+                with torch.no_grad():
+                    return model(t)
+
+            @staticmethod
+            def backward(ctx, g):  # type: ignore[no-untyped-def]
+                return g
+
+        run = lambda: Forward.apply(x)  # noqa: E731
+    elif condition == "inference_mode":
 
         def run():  # type: ignore[no-redef]
-            with torch.no_grad():
+            with torch.inference_mode():
                 return model(x)
     elif condition == "checkpoint":
         run = lambda: checkpoint(model, x, use_reentrant=False)  # noqa: E731
@@ -260,8 +276,13 @@ def test_a_tensor_list_argument_is_cast_by_both_paths_alike():
         out.float().sum().backward()
         return out.detach(), [p.grad for p in lstm.parameters()]
 
-    with _fastpath.suspended():
-        expected = run()
+    try:
+        with _fastpath.suspended():
+            expected = run()
+    except RuntimeError as error:  # (oneDNN capped at AVX2 has no bfloat16 LSTM primitive: both paths raise)
+        with pytest.raises(type(error), match="LSTM"):
+            run()
+        return
     _same(run(), expected)
 
 
@@ -296,3 +317,50 @@ def test_eligibility_of_every_dtype_is_the_python_rule(dtype):
         out, fast, _ = _counted(lambda: torch.ops.aten.mm.default(t, t))
     assert fast == 1
     _same(out, expected)
+
+
+@pytest.mark.parametrize("region", ["mixprec.autocast", "torch.autocast"])
+def test_the_cpp_weight_cast_keeps_the_python_caches_layout(region):
+    # The C++ kernels cast weights over _cast's own dicts (_fastpath.cpp's cast_cached is _cast.cast_weight):
+    # the same keys and entries as the Python kernels leave, and the same hits.
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def layout():  # type: ignore[no-untyped-def]
+        cache = _cast.thread_cache() if region == "mixprec.autocast" else _cast._torch_cache
+        return {k: tuple(type(v) if not isinstance(v, int) else v for v in e) for k, e in cache.items()}
+
+    with _fastpath.suspended(), REGIONS[region]():
+        model(x)
+        python = layout()
+        expected = _cast.cast_weight(model.weight, torch.bfloat16)  # the Python rule hits the kept cast
+    with REGIONS[region]():
+        _, fast, _ = _counted(lambda: model(x))
+        assert layout() == python and fast == 1
+        assert _cast.cast_weight(model.weight, torch.bfloat16) is not expected  # (a new region, a new cast)
+        kept = _cast.cast_weight(model.weight, torch.bfloat16)
+        again, fast, _ = _counted(lambda: model(x))
+        assert fast == 1 and again.grad_fn is not None
+        assert _cast.cast_weight(model.weight, torch.bfloat16) is kept  # the C++ hit left the entry alone
+
+
+@pytest.mark.parametrize("region", list(REGIONS))
+def test_no_grad_takes_the_fast_path_and_equals_the_python_kernels(region):
+    # Under no_grad the mixprec cache is skipped and the mirror of torch's casts with grad on (_cast): a cast
+    # made under no_grad and used again with grad must carry the same history on both paths.
+    x = torch.randn(6, 4, 16)
+
+    def run():  # type: ignore[no-untyped-def]
+        model = _model()
+        with REGIONS[region]():
+            with torch.no_grad():
+                first = model(x)
+            out = model(x)
+        out.float().sum().backward()
+        return first, out.detach(), [p.grad for p in model.parameters()]
+
+    with _fastpath.suspended():
+        expected = run()
+    got, fast, _ = _counted(run)
+    assert fast >= 6
+    _same(got, expected)

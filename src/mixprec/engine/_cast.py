@@ -136,8 +136,9 @@ def _cached(weight: torch.Tensor, dtype: torch.dtype, cache: Cache | TorchCache)
 
 
 def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A weight's cast in a C++ kernel (``_fastpath.cpp``), as ``cast_call`` makes it for a cached target: through
-    ``cache_for_call()``'s cache, or plainly without one."""
+    """A weight's cast as ``cast_call`` makes it for a cached target: through ``cache_for_call()``'s cache, or
+    plainly without one. The C++ kernels (``_fastpath.cpp``'s ``cast_cached``) do the same over the same dicts
+    for a call in forward with grad on; ``tests/test_fastpath.py`` holds them to this."""
     cache = cache_for_call()
     return to(weight, dtype) if cache is None else _cached(weight, dtype, cache)
 

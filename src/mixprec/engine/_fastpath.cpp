@@ -6,8 +6,8 @@
 //   - this thread has a mixprec setting for the device (a ``Table``, pushed by ``_state.ActiveSettings``);
 //   - the setting's plan for the overload is a plain cast (``CAST``: the target dtype, or the region's, and
 //     whether weights go through the cast cache) or none at all (``THROUGH``: torch's fallthrough);
-//   - the call is in forward (no autograd graph task), with grad mode on and no saved-tensor hooks, so that no
-//     checkpoint has to record it;
+//   - the call is in forward (no autograd graph task), with no saved-tensor hooks and grad mode on or a plain
+//     no_grad (``outside_checkpoints``), so that no checkpoint has to record it;
 //   - no key of a tracer, a Python mode or a functorch transform is in the call's key set.
 //
 // Everything else (and a weight's cast, which goes through the Python cast cache) calls the Python kernel, the
@@ -19,6 +19,9 @@
 #include <ATen/SavedTensorHooks.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/AutogradState.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -61,9 +64,11 @@ thread_local int64_t fast_calls = 0;
 thread_local int64_t python_calls = 0;
 std::vector<std::shared_ptr<const Table>> native_kept;
 
-// ``_cast.cast_weight``: a weight's cast through the cache the Python kernel would use (leaked on purpose: it
-// lives as long as the interpreter, and is never released at exit without the GIL).
-PyObject* cast_weight = nullptr;
+// The Python objects the weights' casts go through (``set_caches``; kept for the life of the interpreter, never
+// released at exit without the GIL): the thread-local ``_state._state`` (its ``frames`` and its ``cache``, mixprec's
+// own cast cache) and ``_cast._torch_cache`` (the mirror of torch's cache).
+PyObject* thread_state = nullptr;
+PyObject* torch_cache = nullptr;
 
 c10::DispatchKeySet slow_keys() {
   // A call with any of these goes to the Python kernel: it traces, or runs a Python mode or a transform.
@@ -93,23 +98,82 @@ bool is_weight(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && t.requires_grad() && t.is_leaf() && !t.is_view();
 }
 
+// A new reference to the object ``ref`` (a weakref) refers to, or null if it is dead.
+PyObject* referent(PyObject* ref) {
+#if PY_VERSION_HEX >= 0x030D0000
+  PyObject* out = nullptr;
+  if (PyWeakref_GetRef(ref, &out) < 0) throw pybind11::error_already_set();
+  return out;
+#else
+  PyObject* out = PyWeakref_GetObject(ref);
+  if (out == Py_None) return nullptr;
+  Py_INCREF(out);
+  return out;
+#endif
+}
+
+at::Tensor cast_plain(const at::Tensor& weight, at::ScalarType dtype) {
+  pybind11::gil_scoped_release free;
+  return weight.to(dtype);
+}
+
+// ``_cast.cast_weight``, in C++ over the same Python dicts (so both kinds of kernel share one cache with one
+// layout): ``cache_for_call()``'s choice for a call in forward with no trace (inside a mixprec level, the thread's
+// own cache while grad is on, none under no_grad; else the mirror of torch's), then ``_cached``'s rule for it. The layouts are
+// ``_cast``'s: own ``{(id(weight), dtype): (weakref, version, cast)}``, mirror ``{id(weight): (weakref, cast)}``.
 at::Tensor cast_cached(const at::Tensor& weight, at::ScalarType dtype) {
-  pybind11::gil_scoped_acquire gil;
-  PyObject* w = THPVariable_Wrap(weight);
-  if (w == nullptr) throw pybind11::error_already_set();
-  PyObject* d = reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype));
-  PyObject* out = PyObject_CallFunctionObjArgs(cast_weight, w, d, nullptr);
-  Py_DECREF(w);
-  if (out == nullptr) throw pybind11::error_already_set();
-  at::Tensor result = THPVariable_Unpack(out);
-  Py_DECREF(out);
-  return result;
+  namespace py = pybind11;
+  py::gil_scoped_acquire gil;
+  py::object w = py::reinterpret_steal<py::object>(THPVariable_Wrap(weight));
+  if (!w) throw py::error_already_set();
+  py::handle state(thread_state);
+  const bool own = py::len(state.attr("frames")) > 0;
+  const bool grad = at::GradMode::is_enabled();
+  if (own && !grad) return cast_plain(weight, dtype);  // no own cache under no_grad
+  py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(w.ptr()));
+  if (!id) throw py::error_already_set();
+  py::object cache = own ? py::object(state.attr("cache")) : py::reinterpret_borrow<py::object>(torch_cache);
+  py::object key = own ? py::object(py::make_tuple(id, py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)))))
+                       : id;
+  PyObject* hit = PyDict_GetItemWithError(cache.ptr(), key.ptr());  // borrowed
+  if (hit == nullptr && PyErr_Occurred()) throw py::error_already_set();
+  const Py_ssize_t size = own ? 3 : 2;
+  if (hit != nullptr && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == size) {
+    py::object alive = py::reinterpret_steal<py::object>(referent(PyTuple_GET_ITEM(hit, 0)));
+    bool same = alive.ptr() == w.ptr();
+    if (same && own) {
+      const long long version = PyLong_AsLongLong(PyTuple_GET_ITEM(hit, 1));
+      if (version == -1 && PyErr_Occurred()) throw py::error_already_set();
+      same = version == static_cast<long long>(weight._version());
+    }
+    if (same) return THPVariable_Unpack(PyTuple_GET_ITEM(hit, size - 1));
+  }
+  at::Tensor out;
+  {
+    c10::AutoGradMode on(true);  // the mirror's cast carries autograd history under no_grad too
+    out = cast_plain(weight, dtype);
+  }
+  py::object cast = py::reinterpret_steal<py::object>(THPVariable_Wrap(out));
+  py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(w.ptr(), nullptr));
+  if (!cast || !ref) throw py::error_already_set();
+  py::object entry = own ? py::object(py::make_tuple(ref, py::int_(weight._version()), cast))
+                         : py::object(py::make_tuple(ref, cast));
+  if (PyDict_SetItem(cache.ptr(), key.ptr(), entry.ptr()) < 0) throw py::error_already_set();
+  return out;
 }
 
 at::Tensor cast_one(const at::Tensor& t, at::ScalarType dtype, c10::DeviceType device, bool cache) {
   if (!eligible(t, dtype, device)) return t;
   if (cache && is_weight(t)) return cast_cached(t, dtype);
   return t.to(dtype);
+}
+
+// Whether no reentrant checkpoint's forward can be running, so none has to record the call (the Python kernel
+// looks for one when grad mode is off). Grad on: none can. Grad off (no_grad): none can unless in the forward of a
+// custom autograd Function, which also turns forward-mode grad off (as inference_mode does: both go to Python).
+bool outside_checkpoints() {
+  if (at::GradMode::is_enabled()) return true;
+  return c10::AutogradState::get_tls_state().get_fw_grad_mode() && !c10::InferenceMode::is_enabled();
 }
 
 struct Kernel final : c10::OperatorKernel {
@@ -132,7 +196,7 @@ struct Kernel final : c10::OperatorKernel {
     }
     const Plan plan = table->plans[number];
     if (plan.kind == SLOW || !(ks & avoid).empty() || torch::autograd::get_current_graph_task_id() >= 0 ||
-        !at::GradMode::is_enabled() || !at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) {
+        !outside_checkpoints() || !at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) {
       ++python_calls;
       return python.callBoxed(op, ks, stack);
     }
@@ -140,6 +204,8 @@ struct Kernel final : c10::OperatorKernel {
     if (plan.kind == THROUGH) {
       return op.redispatchBoxed(ks & after, stack);
     }
+    // As the Python runner: the casts and the op with the Autocast key excluded.
+    c10::impl::ExcludeDispatchKeyGuard guard(key);
     const auto dtype = plan.dtype >= 0 ? static_cast<at::ScalarType>(plan.dtype) : at::autocast::get_autocast_dtype(device);
     const bool cache = plan.cached && at::autocast::is_autocast_cache_enabled();
     const size_t n = op.schema().arguments().size();
@@ -163,7 +229,6 @@ struct Kernel final : c10::OperatorKernel {
         value = std::move(out);
       }
     }
-    c10::impl::ExcludeDispatchKeyGuard guard(key);
     op.callBoxed(stack);
   }
 
@@ -230,9 +295,11 @@ void set_active(int64_t slot, std::shared_ptr<Table> table) {
   active[slot] = std::move(table);
 }
 
-void set_cast_weight(pybind11::object fn) {
-  Py_XDECREF(cast_weight);
-  cast_weight = fn.release().ptr();
+void set_caches(pybind11::object state, pybind11::object mirror) {
+  Py_XDECREF(thread_state);
+  Py_XDECREF(torch_cache);
+  thread_state = state.release().ptr();
+  torch_cache = mirror.release().ptr();
 }
 
 }  // namespace
@@ -253,5 +320,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
   });
   m.def("counts", []() { return std::make_tuple(fast_calls, python_calls); });
-  m.def("set_cast_weight", &set_cast_weight);
+  m.def("set_caches", &set_caches);
 }

@@ -7,10 +7,11 @@ commonest call itself and hands every other call to the Python kernel below it::
 
     plans   = this thread's table for the device: its mixprec setting's (pushed by _state.ActiveSettings),
               or, with no setting, torch's native categories (while nothing is installed)
-    fast    = plans[op] is a plain cast or none, in forward, grad on, no saved-tensor hooks (no checkpoint
-              records the call), and no tracer, Python mode or functorch key in the call's key set
-    fast:   cast the eligible tensors (weights through the Python cast cache: ``_cast.cast_weight``), call
-            the op with the Autocast key excluded; or, without a plan, redispatch below the key
+    fast    = plans[op] is a plain cast or none, in forward, no saved-tensor hooks, grad on or a no_grad
+              outside any custom Function's forward (so no checkpoint records the call), and no tracer,
+              Python mode or functorch key in the call's key set
+    fast:   with the Autocast key excluded, cast the eligible tensors (weights through the Python cast
+            caches, as ``_cast.cast_weight``) and call the op; or, without a plan, redispatch below the key
     else:   the Python kernel, as if the C++ kernel were not there
 
 A table holds, per overload numbered here, the runner's plan (``_rules.runner``'s ``cast_plan``: the target
@@ -86,9 +87,9 @@ def _build() -> Any:
         _failure.append(f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error) else ''}")
         _log.warning("mixprec: C++ kernels unavailable (%s); the Python kernels run instead", _failure[0])
         return None
-    from mixprec.engine import _cast, _plan
+    from mixprec.engine import _cast, _plan, _state
 
-    module.set_cast_weight(_cast.cast_weight)
+    module.set_caches(_state._state, _cast._torch_cache)  # a weight's cast: _cast.cast_weight, in C++
     module.set_eligible([d for d in dtypes() if _plan.eligible(d, "any", "any")])  # the rule stays _plan's
     return module
 
