@@ -128,7 +128,11 @@ def attach(op: Op, key: str, device_type: str) -> bool:
         return False
     schema = op._schema
     number = _numbers.get(op, len(_numbers))
-    made = module.attach(schema.name, schema.overload_name, key, number, where, device_type)
+    try:
+        made = module.attach(schema.name, schema.overload_name, key, number, where, device_type)
+    except RuntimeError as error:  # the dispatcher refused it: the Python kernel serves the overload alone
+        _log.warning("mixprec: no C++ kernel for %s.%s (%s)", schema.name, schema.overload_name, error)
+        return False
     if made is None:  # no schema in the dispatcher (TorchScript's own overloads): the Python kernel alone
         return False
     _numbers[op] = number
@@ -159,7 +163,7 @@ def table(entries: dict[Op, Any]) -> Any:
     if module is None:
         return None
     plans: list[tuple[int, Any, bool]] = [(_SLOW, None, False)] * len(_numbers)
-    for op, number in _numbers.items():
+    for op, number in list(_numbers.items()):  # (another thread may be numbering more)
         entry = entries.get(op)
         if entry is None:
             plans[number] = (_THROUGH, None, False)
