@@ -135,8 +135,14 @@ def test_an_in_place_update_of_a_weight_is_cast_again():
 @pytest.mark.parametrize(
     "condition",
     [
-        "no_grad in a Function's forward", "inference_mode", "checkpoint", "reentrant checkpoint", "dispatch mode",
-        "backward", "install", "suspended",
+        "no_grad in a Function's forward",
+        "inference_mode",
+        "checkpoint",
+        "reentrant checkpoint",
+        "dispatch mode",
+        "backward",
+        "install",
+        "suspended",
     ],
 )
 def test_calls_the_fast_path_must_not_decide_go_to_python(condition):
@@ -364,3 +370,33 @@ def test_no_grad_takes_the_fast_path_and_equals_the_python_kernels(region):
     got, fast, _ = _counted(run)
     assert fast >= 6
     _same(got, expected)
+
+
+def test_a_thread_not_told_of_its_setting_goes_to_python():
+    # A thread whose setting changed while mixprec had no kernels (after a reset) must not be served by the
+    # table it had before: it goes to Python until it is told again.
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    policy = mixprec.policies.CPU.with_ops(fp32=["mm"])
+    steps = [threading.Event() for _ in range(4)]
+    results: dict[str, object] = {}
+
+    def worker() -> None:
+        with mixprec.autocast("cpu", policy=policy, compute="native"):  # told: mm in float32
+            steps[0].set()
+            steps[1].wait()  # (the main thread resets: no kernels, a new epoch)
+        steps[2].set()  # left the region untold
+        steps[3].wait()  # (the main thread registers kernels again)
+        with torch.autocast("cpu"):
+            out, results["fast"], _ = _counted(lambda: torch.mm(a, b))
+        results["dtype"] = out.dtype
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    steps[0].wait()
+    engine.reset()
+    steps[1].set()
+    steps[2].wait()
+    _kernels.register(KEY, "cpu", frozenset(_tables.native("cpu")))
+    steps[3].set()
+    thread.join()
+    assert results == {"fast": 0, "dtype": torch.bfloat16}  # native's answer, from the Python kernel

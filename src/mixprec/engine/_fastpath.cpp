@@ -54,8 +54,12 @@ struct Table {
 constexpr size_t kDevices = 8;
 // Per device slot: this thread's setting's table, and the process's table of torch's native categories (for
 // a thread with no setting; null while mixprec.install is in force). Native tables are kept for the life of
-// the process, so a reader never sees one freed.
+// the process, so a reader never sees one freed. A thread's table counts only if it was set in the current
+// epoch (``synced``): a thread Python has not told of its setting since the kernels came (or came back after
+// ``_kernels.reset``, which starts a new epoch) might have one, so its calls go to Python until it is told.
 thread_local std::array<std::shared_ptr<const Table>, kDevices> active;
+thread_local std::array<uint64_t, kDevices> synced{};
+std::atomic<uint64_t> epoch{1};
 std::array<std::atomic<const Table*>, kDevices> native{};
 std::mutex native_lock;
 std::atomic<bool> enabled{true};  // false: every call goes to the Python kernel (``_fastpath.suspended``)
@@ -190,7 +194,7 @@ struct Kernel final : c10::OperatorKernel {
     const Table* table = active[slot].get();
     if (table == nullptr) table = native[slot].load(std::memory_order_acquire);
     if (table == nullptr || static_cast<size_t>(number) >= table->plans.size() ||
-        !enabled.load(std::memory_order_relaxed)) {
+        synced[slot] != epoch.load(std::memory_order_acquire) || !enabled.load(std::memory_order_relaxed)) {
       ++python_calls;
       return python.callBoxed(op, ks, stack);
     }
@@ -293,6 +297,7 @@ void set_native(int64_t slot, std::shared_ptr<Table> table) {
 void set_active(int64_t slot, std::shared_ptr<Table> table) {
   TORCH_CHECK(slot >= 0 && static_cast<size_t>(slot) < kDevices, "mixprec: no fast-path slot ", slot);
   active[slot] = std::move(table);
+  synced[slot] = epoch.load();
 }
 
 void set_caches(pybind11::object state, pybind11::object mirror) {
@@ -312,6 +317,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_active", &set_active);
   m.def("set_native", &set_native);
   m.def("set_enabled", [](bool on) { enabled.store(on); });
+  m.def("new_epoch", []() { epoch.fetch_add(1); });
   m.def("set_eligible", [](const std::vector<pybind11::object>& dtypes) {
     castable.fill(false);
     for (const auto& d : dtypes) {

@@ -6,7 +6,8 @@ costs"); most of it is the dispatcher's call into Python, which no Python kernel
 commonest call itself and hands every other call to the Python kernel below it::
 
     plans   = this thread's table for the device: its mixprec setting's (pushed by _state.ActiveSettings),
-              or, with no setting, torch's native categories (while nothing is installed)
+              or, with no setting, torch's native categories (while nothing is installed); a thread not
+              told of its setting since the kernels came (or came back after a reset) goes to Python
     fast    = plans[op] is a plain cast or none, in forward, no saved-tensor hooks, grad on or a no_grad
               outside any custom Function's forward (so no checkpoint records the call), and no tracer,
               Python mode or functorch key in the call's key set
@@ -146,6 +147,7 @@ def detach_all() -> None:
     _native.clear()
     module = _loaded[0] if _loaded else None
     if module is not None:
+        module.new_epoch()  # no thread's table counts until Python tells the thread's setting again
         for where in _slots.values():
             module.set_native(where, None)
 

@@ -198,9 +198,8 @@ def _follow_settings(device_type: str) -> None:
     _state.on_change = _setting_changed
     _install.on_change = _fastpath.native_allowed
     _fastpath.native_allowed(_install.current is None)
-    setting = _state.get().active.get(device_type)
-    if setting is not None:
-        _setting_changed(device_type, setting)
+    _setting_changed(device_type, _state.get().active.get(device_type))  # this thread's (other threads': as
+    # each next changes its setting; until then their calls go to Python)
 
 
 def _setting_changed(device_type: str, setting: _state.Setting | None) -> None:
