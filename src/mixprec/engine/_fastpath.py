@@ -21,8 +21,8 @@ cast of a plain runner and the eligibility test; ``tests/test_fastpath.py`` hold
 
 The extension is built on first use against the torch installed (``torch.utils.cpp_extension.load``: about
 25 s with g++ 12, once per torch release, Python and source, under ``build_directory()``). Where it cannot be
-built (no compiler, ``MIXPREC_CPP=0``), the Python kernels do all the work, with the same results, and a
-warning says so once.
+built (no compiler: a warning says so once) or is not wanted (``MIXPREC_CPP=0``), the Python kernels do all
+the work, with the same results.
 """
 
 from __future__ import annotations
