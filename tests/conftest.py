@@ -183,7 +183,7 @@ def _no_autocast_leak():
     state.active.clear()
     _state.release(state)
     _cast.thread_cache().clear()
-    mirror = dict(_cast._torch_cache)
+    mirror = _cast._torch_cache.entries()
     _cast._torch_cache.clear()
     while torch._C._len_torch_function_stack() > stack_before:
         torch._C._pop_torch_function_stack()

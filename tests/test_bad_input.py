@@ -854,7 +854,7 @@ def snapshot() -> dict[str, object]:
         "mixprec active settings": dict(state.active),
         "mixprec frames": list(state.frames),
         "mixprec module policies": list(state.module_policies),
-        "mixprec cast cache": set(_cast.thread_cache()),
+        "mixprec cast cache": [(id(w), dtype) for w, dtype, _, _ in _cast.thread_cache().entries()],
         "mixprec installation": _install.current,
         "mixprec kernels": {d: _kernels.registered(d) for d in _devices.DEVICES},
         "scalers (optimizers, state_dict)": [(list(s._per_optimizer_states), s.state_dict()) for s in SCALERS],

@@ -10,6 +10,9 @@ kernels and cache run, so each test here gives ``aten::mm`` a mixprec kernel
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 import weakref
 
 import pytest
@@ -18,7 +21,7 @@ import torch
 import mixprec
 from _counting import CountCasts
 from mixprec import engine
-from mixprec.engine import _cast, _kernels
+from mixprec.engine import _cast, _kernels, _tables
 
 
 @pytest.fixture(autouse=True)
@@ -80,7 +83,7 @@ def test_cache_cleared_when_outermost_region_exits():
         run()
         run()
     assert counter.casts == 4
-    assert _cast.thread_cache() == {}
+    assert len(_cast.thread_cache()) == 0
 
 
 def test_cache_lives_across_nested_regions():
@@ -123,7 +126,7 @@ def test_only_leaf_fp32_tensors_that_require_grad_are_cached():
         torch.mm(not_leaf, not_leaf)
         torch.mm(not_leaf, not_leaf)
     assert counter.casts == 4
-    assert _cast.thread_cache() == {}
+    assert len(_cast.thread_cache()) == 0
 
 
 def test_cache_keeps_no_weight_alive_after_region():
@@ -145,8 +148,8 @@ def test_a_weight_dropped_in_its_region_lives_until_the_exit_as_natively():
         with region:
             layer = torch.nn.Linear(4, 4)
             out = torch.mm(X, layer.weight)
-            entries = list(_cast.thread_cache().values())
-            keyed_weakly = [entry[0]() is layer.weight for entry in entries]
+            entries = _cast.thread_cache().entries()
+            keyed_weakly = [entry[0] is layer.weight for entry in entries]
             weight = weakref.ref(layer.weight)
             del layer, out, entries
             gc.collect()
@@ -155,7 +158,7 @@ def test_a_weight_dropped_in_its_region_lives_until_the_exit_as_natively():
         return keyed_weakly, alive_inside, weight() is not None
 
     keyed_weakly, *mixprec_lifetime = drop_inside(mixprec.autocast("cpu", compute="native"))
-    assert keyed_weakly == [True]  # one entry, whose key is a weak reference to the weight
+    assert keyed_weakly == [True]  # one entry, for the weight (held weakly: the lifetimes below)
     engine.reset()  # torch's own kernels and cache
     _, *native_lifetime = drop_inside(torch.autocast("cpu", dtype=torch.bfloat16))
     assert mixprec_lifetime == native_lifetime == [True, False]
@@ -167,3 +170,65 @@ def test_fp16_then_bf16_in_nested_regions_do_not_share_entries():
         with mixprec.autocast("cpu", dtype=torch.float16, compute="native"):
             assert torch.mm(X, W).dtype is torch.float16
         assert torch.mm(X, W).dtype is torch.bfloat16
+
+
+def test_the_rule_with_every_native_op_as_a_kernel():
+    """Both caches through the kernels a policy gives every op (C++ where the extension is built): the own
+    cache in a mixprec region (kept per weight and dtype, skipped under no_grad, renewed by an in-place update,
+    cleared at the exit) and the mirror of torch's in a plain ``torch.autocast`` (used under no_grad too, with
+    a cast that keeps the weight's gradient)."""
+    engine.reset()
+    _kernels.register("AutocastCPU", "cpu", frozenset(_tables.native("cpu")))
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+
+    def own() -> dict[tuple[int, torch.dtype | None, int | None], torch.Tensor]:
+        return {(id(w), dtype, version): cast for w, dtype, version, cast in _cast.thread_cache().entries()}
+
+    with mixprec.autocast("cpu", compute="native"):
+        layer(x)
+        first = own()
+        assert sorted(first, key=str) == sorted(
+            [(id(p), torch.bfloat16, p._version) for p in (layer.weight, layer.bias)], key=str
+        )
+        layer(x)
+        with torch.no_grad():
+            layer(x)
+        assert own().keys() == first.keys() and all(own()[k] is cast for k, cast in first.items())
+        assert len(_cast._torch_cache) == 0
+        with torch.no_grad():
+            layer.weight.mul_(2)
+        layer(x)
+        renewed = own()
+        key = (id(layer.weight), torch.bfloat16, layer.weight._version)
+        assert key in renewed and torch.equal(renewed[key], layer.weight.detach().bfloat16())
+    assert len(_cast.thread_cache()) == 0
+
+    with torch.autocast("cpu"):
+        with torch.no_grad():
+            layer(x)
+        mirror = _cast._torch_cache.entries()
+        assert {(id(w), dtype, version) for w, dtype, version, _ in mirror} == {
+            (id(layer.weight), None, None),
+            (id(layer.bias), None, None),
+        }
+        assert all(cast.grad_fn is not None for *_, cast in mirror)  # made with grad on, as torch's
+        layer(x).float().sum().backward()
+        assert len(_cast.thread_cache()) == 0
+    assert len(_cast._torch_cache) == 0
+    assert layer.weight.grad is not None and torch.count_nonzero(layer.weight.grad) > 0
+
+
+def test_the_python_caches_without_the_extension():
+    """Without the C++ extension (``MIXPREC_CPP=0``) the caches are kept in Python: this file's tests hold
+    them to the same rule, in a process of their own."""
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not without_the_extension"],
+        env={**os.environ, "MIXPREC_CPP": "0"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert " passed" in run.stdout and " skipped" not in run.stdout

@@ -120,7 +120,7 @@ class Probe:
 
     def look(self, *outputs: torch.Tensor) -> None:
         """Inside a region: the casts in mixprec's cache, and those the outputs' autograd nodes saved."""
-        for _, _, cast in _cast.thread_cache().values():
+        for *_, cast in _cast.thread_cache().entries():
             self.casts.append(weakref.ref(cast))
         for out in outputs:
             node = out.grad_fn

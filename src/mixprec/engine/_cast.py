@@ -21,12 +21,16 @@ on where the kernel runs (``cache_for_call``):
   ``torch.autocast`` calls as its outermost region exits, is wrapped while
   mixprec has kernels (``follow_torch``). So a plain ``torch.autocast`` region
   casts a weight as often as native does, whatever mixprec did before.
+
+Both caches live in the C++ extension once it is built (``use_extension``), so
+the C++ kernels keep a weight's cast without entering Python, and the Python
+kernels reach the same entries (``ExtensionCache``); without the extension they
+are kept here (``OwnCache``, ``MirrorCache``), with the same rules.
 """
 
 from __future__ import annotations
 
 import threading
-import typing
 import weakref
 from typing import Any
 
@@ -41,15 +45,93 @@ _float64 = torch.float64
 _UNSET: Any = object()  # cast_call: the cache not looked up yet
 is_eligible = _plan.eligible_tensor  # whether autocast may cast a tensor in a region on a device type
 
-CacheEntry = tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]
-Cache = dict[tuple[int, torch.dtype], CacheEntry]
 
 
-#: The mirror of torch's cache: ``id(weight)`` -> (a weak reference to the weight, its cast).
-TorchCache = dict[int, tuple["weakref.ref[torch.Tensor]", torch.Tensor]]
-_torch_cache: TorchCache = {}
+class OwnCache(dict[tuple[int, torch.dtype], tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]]):
+    """A thread's own cache kept in Python (without the C++ extension): ``(id(weight), dtype)`` -> (a weak
+    reference to the weight, its version, its cast)."""
+
+    def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (id(weight), dtype)
+        hit = self.get(key)
+        if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+            return hit[2]
+        out = to(weight, dtype)
+        self[key] = (weakref.ref(weight), weight._version, out)
+        return out
+
+    def entries(self) -> list[Entry]:
+        return [(ref(), dtype, version, cast) for (_, dtype), (ref, version, cast) in self.items()]
+
+
+class MirrorCache(dict[int, tuple["weakref.ref[torch.Tensor]", torch.Tensor]]):
+    """The mirror of torch's cache kept in Python (without the C++ extension): ``id(weight)`` -> (a weak
+    reference to the weight, its cast)."""
+
+    def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        found = self.get(id(weight))
+        if found is not None and found[0]() is weight:
+            return found[1]  # whatever dtype it was cast to, as torch's cache answers
+        if torch.is_grad_enabled():
+            out = to(weight, dtype)
+        else:
+            with torch.enable_grad():
+                out = to(weight, dtype)
+        self[id(weight)] = (weakref.ref(weight), out)
+        return out
+
+    def entries(self) -> list[Entry]:
+        return [(ref(), None, None, cast) for ref, cast in self.values()]
+
+
+class ExtensionCache:
+    """One of the C++ extension's caches (``_fastpath.cpp``), which both kinds of kernel use once it is built:
+    ``cast``, ``entries``, ``clear`` and ``len`` as the Python caches'. The own cache is the calling thread's."""
+
+    def __init__(self, module: Any, which: str) -> None:
+        self.cast = getattr(module, f"cast_{which}")
+        self.entries = getattr(module, f"{which}_entries")
+        self.clear = getattr(module, f"{which}_clear")
+        self._size = getattr(module, f"{which}_size")
+
+    def __len__(self) -> int:
+        return int(self._size())
+
+
+#: A cache entry as ``entries()`` lists it: (the weight, or None once it is gone; the dtype it was cast to, or
+#: None in the mirror; the weight's version then, or None in the mirror; the cast).
+Entry = tuple["torch.Tensor | None", "torch.dtype | None", "int | None", torch.Tensor]
+Cache = OwnCache | MirrorCache | ExtensionCache
+
+#: The mirror of torch's cache (process-wide); the C++ extension's once it is built (``use_extension``).
+_torch_cache: MirrorCache | ExtensionCache = MirrorCache()
+_own: ExtensionCache | None = None  # the C++ extension's own caches (per thread), once it is built
+_extension: Any = None
 _torch_clear = torch._C.clear_autocast_cache  # torch's own
 _follow_lock = threading.Lock()
+
+
+def use_extension(module: Any) -> None:
+    """Keep the casts in the C++ extension's caches from now on, for both kinds of kernel (``_fastpath``
+    calls this once it is built, before any C++ kernel exists). What the Python caches held is dropped."""
+    global _torch_cache, _own, _extension
+    _torch_cache.clear()
+    if _state._state.cache is not None:
+        _state._state.cache.clear()
+    _torch_cache, _own, _extension = ExtensionCache(module, "mirror"), ExtensionCache(module, "own"), module
+    module.set_in_level(bool(_state._state.frames))
+
+
+def levels_changed(state: _state.ThreadState) -> None:
+    """``state``'s thread opened or closed a level: with none left its own cache goes; the C++ kernels are told
+    which cache is the thread's now."""
+    if not state.frames:
+        if state.cache:
+            state.cache.clear()
+        if _own is not None:
+            _own.clear()
+    if _extension is not None:
+        _extension.set_in_level(bool(state.frames))
 
 
 def clear_autocast_cache() -> None:
@@ -72,19 +154,24 @@ def follow_torch(on: bool) -> None:
             _torch_cache.clear()
 
 
-def cache_for_call() -> Cache | TorchCache | None:
+def cache_for_call() -> Cache | None:
     """The cache a ``lower_precision_fp`` kernel casts weights through now, or None (see the module)."""
     if not torch.is_autocast_cache_enabled() or _compat.tracing():  # a graph casts each once anyway
         return None
-    state = _state._state
-    if state.frames:
-        return state.cache if torch.is_grad_enabled() else None
+    if _state._state.frames:
+        return thread_cache() if torch.is_grad_enabled() else None
     return _torch_cache
 
 
 def thread_cache() -> Cache:
-    """This thread's cast cache (cleared when its outermost region exits; kept in the thread's mixprec state)."""
-    cache: Cache = _state._state.cache
+    """This thread's own cast cache (cleared when its outermost level closes): the C++ extension's, or one kept
+    in the thread's mixprec state without it."""
+    if _own is not None:
+        return _own
+    state = _state._state
+    if state.cache is None:
+        state.cache = OwnCache()
+    cache: OwnCache = state.cache
     return cache
 
 
@@ -99,51 +186,26 @@ def to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if method is None else method(t)
 
 
-def cast_tensor(
-    t: torch.Tensor, dtype: torch.dtype, device_type: str, cache: Cache | TorchCache | None
-) -> torch.Tensor:
+def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device_type: str, cache: Cache | None) -> torch.Tensor:
     """Cast one tensor if eligible; weights (fp32 leaves requiring grad) go through the cache."""
     source = t.dtype
     if source is dtype or not is_eligible(t, device_type):
         return t
     if cache is not None and source is _float32 and t.requires_grad and t.is_leaf and not t._is_view():
-        return _cached(t, dtype, cache)
+        return cache.cast(t, dtype)
     method = _CAST.get(dtype)  # (``to``, written out: the path of most casts)
     return t.to(dtype) if method is None else method(t)
 
 
-def _cached(weight: torch.Tensor, dtype: torch.dtype, cache: Cache | TorchCache) -> torch.Tensor:
-    """A weight's cast through ``cache``: the mirror of torch's, or mixprec's own (see the module)."""
-    if cache is _torch_cache:
-        found = _torch_cache.get(id(weight))
-        if found is not None and found[0]() is weight:
-            return found[1]  # whatever dtype it was cast to, as torch's cache answers
-        if torch.is_grad_enabled():
-            out = to(weight, dtype)
-        else:
-            with torch.enable_grad():
-                out = to(weight, dtype)
-        _torch_cache[id(weight)] = (weakref.ref(weight), out)
-        return out
-    own = typing.cast(Cache, cache)
-    key = (id(weight), dtype)
-    hit = own.get(key)
-    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
-        return hit[2]
-    out = to(weight, dtype)
-    own[key] = (weakref.ref(weight), weight._version, out)
-    return out
-
-
 def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A weight's cast as ``cast_call`` makes it for a cached target: through ``cache_for_call()``'s cache, or
-    plainly without one. The C++ kernels (``_fastpath.cpp``'s ``cast_cached``) do the same over the same dicts
-    for a call in forward with grad on; ``tests/test_fastpath.py`` holds them to this."""
+    plainly without one. The C++ kernels (``_fastpath.cpp``'s ``cast_cached``) make the same choice over the
+    same caches for a call in forward; ``tests/test_fastpath.py`` holds them to this."""
     cache = cache_for_call()
-    return to(weight, dtype) if cache is None else _cached(weight, dtype, cache)
+    return to(weight, dtype) if cache is None else cache.cast(weight, dtype)
 
 
-def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | TorchCache | None) -> Any:
+def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | None) -> Any:
     """Cast a tensor argument, or the tensors of a list/tuple argument (a TensorList)."""
     if isinstance(value, _Tensor):
         return cast_tensor(value, dtype, device_type, cache)
@@ -185,7 +247,7 @@ def cast_call(
                     if cache is _UNSET:
                         cache = cache_for_call()
                     if cache is not None:  # a weight, and a cache to keep its cast in
-                        out.append(_cached(a, dtype, cache))
+                        out.append(cache.cast(a, dtype))
                         continue
                 a = a.to(dtype) if method is None else method(a)
         elif type(a) in _SEQUENCES:

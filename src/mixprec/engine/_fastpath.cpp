@@ -10,9 +10,9 @@
 //     no_grad (``outside_checkpoints``), so that no checkpoint has to record it;
 //   - no key of a tracer, a Python mode or a functorch transform is in the call's key set.
 //
-// Everything else (and a weight's cast, which goes through the Python cast cache) calls the Python kernel, the
-// one implementation of every rule; the fast path repeats only ``_rules.runner``'s cast and ``_plan``'s
-// eligibility test, and a test holds it to the Python kernel op by op.
+// Everything else calls the Python kernel, the one implementation of every rule; the fast path repeats only
+// ``_rules.runner``'s cast and ``_plan``'s eligibility test, and a test holds it to the Python kernel op by op.
+// The weights' cast caches live here, for both kinds of kernel (``_cast`` reaches them from Python).
 
 #include <torch/extension.h>
 
@@ -32,8 +32,11 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <mutex>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -68,12 +71,6 @@ thread_local int64_t fast_calls = 0;
 thread_local int64_t python_calls = 0;
 std::vector<std::shared_ptr<const Table>> native_kept;
 
-// The Python objects the weights' casts go through (``set_caches``; kept for the life of the interpreter, never
-// released at exit without the GIL): the thread-local ``_state._state`` (its ``frames`` and its ``cache``, mixprec's
-// own cast cache) and ``_cast._torch_cache`` (the mirror of torch's cache).
-PyObject* thread_state = nullptr;
-PyObject* torch_cache = nullptr;
-
 c10::DispatchKeySet slow_keys() {
   // A call with any of these goes to the Python kernel: it traces, or runs a Python mode or a transform.
   c10::DispatchKeySet keys;
@@ -102,68 +99,105 @@ bool is_weight(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat && t.requires_grad() && t.is_leaf() && !t.is_view();
 }
 
-// A new reference to the object ``ref`` (a weakref) refers to, or null if it is dead.
-PyObject* referent(PyObject* ref) {
-#if PY_VERSION_HEX >= 0x030D0000
-  PyObject* out = nullptr;
-  if (PyWeakref_GetRef(ref, &out) < 0) throw pybind11::error_already_set();
-  return out;
-#else
-  PyObject* out = PyWeakref_GetObject(ref);
-  if (out == Py_None) return nullptr;
-  Py_INCREF(out);
-  return out;
-#endif
-}
+// The cast caches, for both kinds of kernel (the Python kernels reach them through ``_cast``, which calls the
+// functions at the end of this file). A key is the weight's TensorImpl, held weakly as torch's own cache holds
+// it: the address is not reused while an entry holds a weak reference to it, so a live entry is the weight's.
+//
+// - ``own``: a thread's cache inside a mixprec level (``in_level``: told by ``_cast.levels_changed`` and
+//   ``set_active``): keyed by weight and dtype, an entry valid while the weight's version counter is unchanged,
+//   cleared when the thread's outermost level closes, not used while grad mode is off.
+// - ``mirror``: everywhere else, with torch's rules: process-wide, keyed by the weight alone (answering
+//   whatever dtype it holds), used under no_grad too with the copy made with grad on, cleared with torch's.
+using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
-at::Tensor cast_plain(const at::Tensor& weight, at::ScalarType dtype) {
-  pybind11::gil_scoped_release free;
-  return weight.to(dtype);
-}
+struct OwnKey {
+  c10::TensorImpl* weight;
+  int8_t dtype;
+  bool operator==(const OwnKey& other) const { return weight == other.weight && dtype == other.dtype; }
+};
 
-// ``_cast.cast_weight``, in C++ over the same Python dicts (so both kinds of kernel share one cache with one
-// layout): ``cache_for_call()``'s choice for a call in forward with no trace (inside a mixprec level, the thread's
-// own cache while grad is on, none under no_grad; else the mirror of torch's), then ``_cached``'s rule for it. The layouts are
-// ``_cast``'s: own ``{(id(weight), dtype): (weakref, version, cast)}``, mirror ``{id(weight): (weakref, cast)}``.
-at::Tensor cast_cached(const at::Tensor& weight, at::ScalarType dtype) {
-  namespace py = pybind11;
-  py::gil_scoped_acquire gil;
-  py::object w = py::reinterpret_steal<py::object>(THPVariable_Wrap(weight));
-  if (!w) throw py::error_already_set();
-  py::handle state(thread_state);
-  const bool own = py::len(state.attr("frames")) > 0;
-  const bool grad = at::GradMode::is_enabled();
-  if (own && !grad) return cast_plain(weight, dtype);  // no own cache under no_grad
-  py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(w.ptr()));
-  if (!id) throw py::error_already_set();
-  py::object cache = own ? py::object(state.attr("cache")) : py::reinterpret_borrow<py::object>(torch_cache);
-  py::object key = own ? py::object(py::make_tuple(id, py::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)))))
-                       : id;
-  PyObject* hit = PyDict_GetItemWithError(cache.ptr(), key.ptr());  // borrowed
-  if (hit == nullptr && PyErr_Occurred()) throw py::error_already_set();
-  const Py_ssize_t size = own ? 3 : 2;
-  if (hit != nullptr && PyTuple_Check(hit) && PyTuple_GET_SIZE(hit) == size) {
-    py::object alive = py::reinterpret_steal<py::object>(referent(PyTuple_GET_ITEM(hit, 0)));
-    bool same = alive.ptr() == w.ptr();
-    if (same && own) {
-      const long long version = PyLong_AsLongLong(PyTuple_GET_ITEM(hit, 1));
-      if (version == -1 && PyErr_Occurred()) throw py::error_already_set();
-      same = version == static_cast<long long>(weight._version());
-    }
-    if (same) return THPVariable_Unpack(PyTuple_GET_ITEM(hit, size - 1));
+struct OwnKeyHash {
+  size_t operator()(const OwnKey& k) const {
+    return std::hash<const void*>()(k.weight) ^ static_cast<size_t>(static_cast<uint8_t>(k.dtype));
   }
+};
+
+struct OwnEntry {
+  Weak weight;
+  uint32_t version;
+  at::Tensor cast;
+};
+
+using OwnMap = std::unordered_map<OwnKey, OwnEntry, OwnKeyHash>;
+
+struct OwnCache {
+  OwnMap map;
+  // A thread that ends with entries left hands them to the process: destroying a tensor that has a Python
+  // object needs the interpreter, which a thread's exit (or the process's) may have gone past.
+  ~OwnCache() {
+    if (!map.empty()) new OwnMap(std::move(map));
+  }
+};
+
+struct MirrorEntry {
+  Weak weight;
+  at::Tensor cast;
+};
+
+using MirrorMap = std::unordered_map<c10::TensorImpl*, MirrorEntry>;
+
+thread_local OwnCache own;
+thread_local bool in_level = false;
+std::mutex mirror_lock;
+MirrorMap& mirror = *new MirrorMap();  // never destroyed, for the same reason
+
+bool alive_as(const Weak& ref, const at::Tensor& weight) {
+  return !ref.expired() && ref._unsafe_get_target() == weight.unsafeGetTensorImpl();
+}
+
+at::Tensor cast_own(const at::Tensor& weight, at::ScalarType dtype) {
+  const OwnKey key{weight.unsafeGetTensorImpl(), static_cast<int8_t>(dtype)};
+  auto found = own.map.find(key);
+  if (found != own.map.end() && alive_as(found->second.weight, weight) &&
+      found->second.version == weight._version()) {
+    return found->second.cast;
+  }
+  at::Tensor out = weight.to(dtype);
+  OwnEntry entry{Weak(weight.getIntrusivePtr()), weight._version(), out};
+  if (found != own.map.end()) {
+    std::swap(found->second, entry);  // the stale entry goes with ``entry``
+  } else {
+    own.map.emplace(key, std::move(entry));
+  }
+  return out;
+}
+
+at::Tensor cast_mirror(const at::Tensor& weight, at::ScalarType dtype) {
+  std::optional<MirrorEntry> stale;  // released after the lock: its tensor may have a Python object to free
+  std::lock_guard<std::mutex> hold(mirror_lock);
+  auto found = mirror.find(weight.unsafeGetTensorImpl());
+  if (found != mirror.end() && alive_as(found->second.weight, weight)) return found->second.cast;
   at::Tensor out;
   {
-    c10::AutoGradMode on(true);  // the mirror's cast carries autograd history under no_grad too
-    out = cast_plain(weight, dtype);
+    c10::AutoGradMode on(true);  // torch's copy carries autograd history under no_grad too
+    out = weight.to(dtype);
   }
-  py::object cast = py::reinterpret_steal<py::object>(THPVariable_Wrap(out));
-  py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(w.ptr(), nullptr));
-  if (!cast || !ref) throw py::error_already_set();
-  py::object entry = own ? py::object(py::make_tuple(ref, py::int_(weight._version()), cast))
-                         : py::object(py::make_tuple(ref, cast));
-  if (PyDict_SetItem(cache.ptr(), key.ptr(), entry.ptr()) < 0) throw py::error_already_set();
+  MirrorEntry entry{Weak(weight.getIntrusivePtr()), out};
+  if (found != mirror.end()) {
+    stale.emplace(std::move(found->second));
+    found->second = std::move(entry);
+  } else {
+    mirror.emplace(weight.unsafeGetTensorImpl(), std::move(entry));
+  }
   return out;
+}
+
+// ``_cast.cast_weight`` for a call in forward with no trace: inside a mixprec level, the thread's own cache
+// while grad is on and none under no_grad; else the mirror of torch's.
+at::Tensor cast_cached(const at::Tensor& weight, at::ScalarType dtype) {
+  if (!in_level) return cast_mirror(weight, dtype);
+  if (!at::GradMode::is_enabled()) return weight.to(dtype);
+  return cast_own(weight, dtype);
 }
 
 at::Tensor cast_one(const at::Tensor& t, at::ScalarType dtype, c10::DeviceType device, bool cache) {
@@ -294,17 +328,67 @@ void set_native(int64_t slot, std::shared_ptr<Table> table) {
   native[slot].store(table.get(), std::memory_order_release);
 }
 
-void set_active(int64_t slot, std::shared_ptr<Table> table) {
+void set_active(int64_t slot, std::shared_ptr<Table> table, bool level) {
+  // ``level``: whether the thread has a mixprec level open (which cache its weights' casts go through).
   TORCH_CHECK(slot >= 0 && static_cast<size_t>(slot) < kDevices, "mixprec: no fast-path slot ", slot);
   active[slot] = std::move(table);
+  in_level = level;
   synced[slot] = epoch.load();
 }
 
-void set_caches(pybind11::object state, pybind11::object mirror) {
-  Py_XDECREF(thread_state);
-  Py_XDECREF(torch_cache);
-  thread_state = state.release().ptr();
-  torch_cache = mirror.release().ptr();
+// The caches as ``_cast`` sees them. ``(weight or None if it is gone, dtype or None, version or None, cast)``
+// per entry; the own cache is the calling thread's.
+pybind11::list own_entries() {
+  pybind11::list out;
+  for (const auto& [key, entry] : own.map) {
+    auto weight = entry.weight.lock();
+    out.append(pybind11::make_tuple(
+        weight ? pybind11::cast(at::Tensor(std::move(weight))) : pybind11::none(),
+        pybind11::handle(reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<at::ScalarType>(key.dtype)))),
+        entry.version, entry.cast));
+  }
+  return out;
+}
+
+pybind11::list mirror_entries() {
+  std::vector<std::pair<Weak, at::Tensor>> copy;
+  {
+    pybind11::gil_scoped_release free;  // (another thread may hold the lock and need the interpreter)
+    std::lock_guard<std::mutex> hold(mirror_lock);
+    for (const auto& [impl, entry] : mirror) copy.emplace_back(entry.weight, entry.cast);
+  }
+  pybind11::list out;
+  for (auto& [ref, cast] : copy) {
+    auto weight = ref.lock();
+    out.append(pybind11::make_tuple(weight ? pybind11::cast(at::Tensor(std::move(weight))) : pybind11::none(),
+                                    pybind11::none(), pybind11::none(), cast));
+  }
+  return out;
+}
+
+void own_clear() {
+  OwnMap gone;
+  std::swap(gone, own.map);
+}
+
+void mirror_clear() {
+  MirrorMap gone;
+  {
+    pybind11::gil_scoped_release free;
+    std::lock_guard<std::mutex> hold(mirror_lock);
+    std::swap(gone, mirror);
+  }
+}
+
+size_t mirror_size() {
+  pybind11::gil_scoped_release free;
+  std::lock_guard<std::mutex> hold(mirror_lock);
+  return mirror.size();
+}
+
+at::ScalarType scalar_type(const pybind11::object& dtype) {
+  TORCH_CHECK(THPDtype_Check(dtype.ptr()), "mixprec: expected a torch.dtype");
+  return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
 }
 
 }  // namespace
@@ -326,5 +410,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
   });
   m.def("counts", []() { return std::make_tuple(fast_calls, python_calls); });
-  m.def("set_caches", &set_caches);
+  m.def("set_in_level", [](bool on) { in_level = on; });
+  // The casts run without the GIL, as torch's own calls do (and a thread that holds the mirror's lock may
+  // need the GIL to free a tensor's Python object).
+  m.def("cast_own", [](const at::Tensor& weight, const pybind11::object& dtype) {
+    const auto target = scalar_type(dtype);
+    pybind11::gil_scoped_release free;
+    return cast_own(weight, target);
+  });
+  m.def("cast_mirror", [](const at::Tensor& weight, const pybind11::object& dtype) {
+    const auto target = scalar_type(dtype);
+    pybind11::gil_scoped_release free;
+    return cast_mirror(weight, target);
+  });
+  m.def("own_entries", &own_entries);
+  m.def("own_size", []() { return own.map.size(); });
+  m.def("own_clear", &own_clear);
+  m.def("mirror_entries", &mirror_entries);
+  m.def("mirror_size", &mirror_size);
+  m.def("mirror_clear", &mirror_clear);
 }

@@ -11,9 +11,12 @@ commonest call itself and hands every other call to the Python kernel below it::
     fast    = plans[op] is a plain cast or none, in forward, no saved-tensor hooks, grad on or a no_grad
               outside any custom Function's forward (so no checkpoint records the call), and no tracer,
               Python mode or functorch key in the call's key set
-    fast:   with the Autocast key excluded, cast the eligible tensors (weights through the Python cast
-            caches, as ``_cast.cast_weight``) and call the op; or, without a plan, redispatch below the key
+    fast:   with the Autocast key excluded, cast the eligible tensors (weights through the cast caches, as
+            ``_cast.cast_weight``) and call the op; or, without a plan, redispatch below the key
     else:   the Python kernel, as if the C++ kernel were not there
+
+The weights' cast caches live in the extension too, for both kinds of kernel (``_cast.use_extension``): a
+cached cast costs no trip into Python, and a cast made by either kind is the one the other finds.
 
 A table holds, per overload numbered here, the runner's plan (``_rules.runner``'s ``cast_plan``: the target
 dtype or the region's, and whether weights are cached): the rules stay in Python and the C++ repeats only the
@@ -40,6 +43,7 @@ from typing import Any
 import torch
 
 from mixprec import _compat
+from mixprec.engine import _state
 
 Op = torch._ops.OpOverload
 
@@ -88,9 +92,9 @@ def _build() -> Any:
         _failure.append(f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error) else ''}")
         _log.warning("mixprec: C++ kernels unavailable (%s); the Python kernels run instead", _failure[0])
         return None
-    from mixprec.engine import _cast, _plan, _state
+    from mixprec.engine import _cast, _plan
 
-    module.set_caches(_state._state, _cast._torch_cache)  # a weight's cast: _cast.cast_weight, in C++
+    _cast.use_extension(module)  # the weights' casts kept in C++, for both kinds of kernel
     module.set_eligible([d for d in dtypes() if _plan.eligible(d, "any", "any")])  # the rule stays _plan's
     return module
 
@@ -181,7 +185,7 @@ def set_active(device_type: str, made: Any) -> None:
     module = _loaded[0] if _loaded else None
     where = _slots.get(device_type)
     if module is not None and where is not None:
-        module.set_active(where, made)
+        module.set_active(where, made, bool(_state.get().frames))
 
 
 def set_native(device_type: str, made: Any) -> None:

@@ -93,6 +93,7 @@ def open_level(
     previous = push_setting(state, device, setting) if setting is not None else None
     before = torch_state(device)
     state.frames.append((device, setting is not None, previous, before))
+    _cast.levels_changed(state)
     _state.hold(state)
     set_torch(device, enabled, dtype, cache_enabled, before)
 
@@ -102,6 +103,7 @@ def add_level(state: _state.ThreadState, device: str, setting: _state.Setting | 
     """Record a level whose torch half ``entered`` (a ``torch.autocast`` object, entered) holds, after
     ``push_setting`` (where ``setting`` is not None) gave ``previous``."""
     state.frames.append((device, setting is not None, previous, entered))
+    _cast.levels_changed(state)
     _state.hold(state)
 
 
@@ -114,7 +116,6 @@ def close_level(state: _state.ThreadState) -> None:
         before.__exit__(None, None, None)
     if pushed:
         pop_setting(state, device, previous)
+    _cast.levels_changed(state)  # (with none left, the thread's cast cache goes)
     if not state.frames:
-        if state.cache:
-            state.cache.clear()
         _state.release(state)

@@ -138,7 +138,7 @@ class ThreadState(threading.local):
         self.active: dict[str, Setting] = ActiveSettings()  # device type -> innermost mixprec setting
         self.frames: list[Frame] = []
         self.module_policies: list[Policy] = []  # set_module_policy: innermost last
-        self.cache: dict[Any, Any] = {}  # mixprec's cast cache (``_cast``)
+        self.cache: Any = None  # mixprec's cast cache kept in Python (``_cast.thread_cache``)
 
     @property
     def nesting(self) -> int:
