@@ -696,3 +696,62 @@ def test_weights_that_are_views_of_one_buffer_keep_histories_of_their_own():
         assert torch.equal(out, _fp8.linear(x, w.clone(), None, Fp8Recipe(), torch.float32))
     assert len(_amax._sites) == 2
     engine.reset()
+
+
+def test_delayed_scaling_quantises_a_weight_once_per_step_with_the_same_results(monkeypatch):
+    """Within a step a delayed weight scale does not move, so the weight's quantisation is kept like a dynamic
+    one's: once per step however often the layer runs, again after each optimizer step and after a history is
+    loaded (mid-step here: the loaded history moves the scale); outputs, gradients and histories equal those of
+    quantising at every call."""
+    policy = FP8.with_fp8_recipe(scaling="delayed", history=2)
+    gen = torch.Generator().manual_seed(3)
+    xs = [torch.randn(32, 64, generator=gen) * r for r in (1.0, 3.0, 0.5, 2.0)]
+
+    def run(every_call: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[int]]:
+        engine.reset()
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(64, 48)
+        opt = torch.optim.SGD(layer.parameters(), lr=0.05)
+        quantised: list[int] = []
+        real = _fp8.quantise
+
+        def counting(t, *args):  # type: ignore[no-untyped-def]
+            quantised[-1] += t.shape == layer.weight.shape
+            return real(t, *args)
+
+        monkeypatch.setattr(_fp8, "quantise", counting)
+        if every_call:
+            monkeypatch.setattr(_fp8, "_weights", _Forgetful())
+        seen: list[torch.Tensor] = []
+        for step, x in enumerate(xs):
+            quantised.append(0)
+            with _region(policy=policy):
+                loss = torch.zeros(())
+                for k in (1.0, 0.5, 2.0):
+                    loss = loss + layer(x * k).float().pow(2).mean()
+                    if step == 2 and k == 1.0:  # a history loaded mid-step: the next call scales by it
+                        mixprec.AmaxHistory(layer).load_state_dict(mixprec.AmaxHistory(layer).state_dict())
+            loss.backward()
+            seen += [loss.detach(), layer.weight.grad.clone()]
+            opt.step()
+            opt.zero_grad()
+        monkeypatch.setattr(_fp8, "quantise", real)
+        history = mixprec.AmaxHistory(layer).state_dict()
+        engine.reset()
+        return seen, history, quantised
+
+    kept, kept_history, kept_counts = run(every_call=False)
+    fresh, fresh_history, fresh_counts = run(every_call=True)
+    assert kept_counts == [1, 1, 2, 1] and fresh_counts == [3, 3, 3, 3]
+    for a, b in zip(kept, fresh, strict=True):
+        assert torch.equal(a, b)
+    assert kept_history.keys() == fresh_history.keys()
+    for name, value in kept_history.items():
+        assert torch.equal(value, fresh_history[name]), name
+
+
+class _Forgetful(dict):  # type: ignore[type-arg]
+    """A weight-quantisation store that keeps nothing (every call quantises again)."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass

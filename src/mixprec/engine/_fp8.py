@@ -76,31 +76,44 @@ def quantise(
 
 
 #: A weight's quantisations: ``(id(source), the weight's view geometry, dtype, recipe, dim)`` -> (a weak
-#: reference to the source, its ``_amax.stamp`` then, ``(q, inverse_scale)``). An in-place update bumps the
-#: version, an optimizer step the process's step count (FSDP2 keeps the version of the weight it gathers
-#: into), so an entry is used only while the weight is unchanged: a weight is quantised once per step however
-#: often it is used.
-_weights: dict[tuple[Any, ...], tuple[Any, tuple[int, int], tuple[torch.Tensor, torch.Tensor]]] = {}
+#: reference to the source, its ``_amax.stamp`` then, ``(q, inverse_scale)``, the delayed recipe's site and
+#: its count of recorded steps then, or None and 0). An in-place update bumps the version, an optimizer step
+#: the process's step count (FSDP2 keeps the version of the weight it gathers into), so an entry is used only
+#: while the weight is unchanged: a weight is quantised once per step however often it is used.
+_weights: dict[
+    tuple[Any, ...], tuple[Any, tuple[int, int], tuple[torch.Tensor, torch.Tensor], _amax.Site | None, int]
+] = {}
 
 
 def quantise_weight(
-    weight: torch.Tensor, source: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None
+    weight: torch.Tensor,
+    source: torch.Tensor,
+    dtype: torch.dtype,
+    recipe: Fp8Recipe,
+    dim: int | None,
+    site: _amax.Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantise`` for a weight, kept while its ``source`` (the tensor the call got: the weight itself, or the
     ``other`` that ``mm`` multiplies by, of which the weight is the transpose) is unchanged (not while tracing:
-    a compiled graph quantises in the graph, where the compiler fuses it)."""
+    a compiled graph quantises in the graph, where the compiler fuses it).
+
+    Under a delayed recipe (``site``, rolled to this step) a kept quantisation also needs the same site at the
+    same count of recorded steps: the scale comes from the site's history, which moves only when a step begins
+    (a new stamp) or a saved history is loaded (a new site), and the weight's amax, recorded in the step's
+    pending amaxes at its first call, is the same at every later call of the step."""
     if _compat.tracing():
-        return quantise(weight, dtype, recipe, dim)
+        return quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
     key = (id(source), tuple(weight.shape), weight.stride(), weight.storage_offset(), dtype, recipe, dim)
     found, now = _weights.get(key), _amax.stamp(source)
-    if found is not None and found[0]() is source and found[1] == now:
+    filled = 0 if site is None else site.filled
+    if found is not None and found[0]() is source and found[1] == now and found[3] is site and found[4] == filled:
         return found[2]
-    out = quantise(weight, dtype, recipe, dim)
+    out = quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
 
     def forget(_: object) -> None:
         _weights.pop(key, None)
 
-    _weights[key] = (weakref.ref(source, forget), now, out)
+    _weights[key] = (weakref.ref(source, forget), now, out, site, filled)
     return out
 
 
@@ -190,10 +203,7 @@ class _Fp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         site = _amax.site(source, recipe.history) if recipe.scaling == "delayed" else None
         xq, sx = quantise(x2, forward, recipe, 1 if rowwise else None, site, _amax.INPUT)
-        if site is not None:
-            wq, sw = quantise(weight, forward, recipe, None, site, _amax.WEIGHT)
-        else:
-            wq, sw = quantise_weight(weight, source, forward, recipe, 1 if rowwise else None)
+        wq, sw = quantise_weight(weight, source, forward, recipe, 1 if rowwise else None, site)
         y = scaled_mm(xq.contiguous(), sx, wq.t(), sw.reshape(1, -1) if rowwise else sw, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
