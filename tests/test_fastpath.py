@@ -373,23 +373,55 @@ def test_no_grad_takes_the_fast_path_and_equals_the_python_kernels(region):
     _same(got, expected)
 
 
-def test_a_thread_not_told_of_its_setting_goes_to_python():
-    # A thread whose setting changed while mixprec had no kernels (after a reset) must not be served by the
-    # table it had before: it goes to Python until it is told again.
+def test_a_thread_that_held_a_setting_when_the_kernels_came_goes_to_python_until_told():
+    # A thread whose setting was made while mixprec had no kernels (after a reset) must not be served by a
+    # table from before, nor by the native one: its calls go to Python until it is told again.
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     policy = mixprec.policies.CPU.with_ops(fp32=["mm"])
-    steps = [threading.Event() for _ in range(4)]
+    steps = [threading.Event() for _ in range(2)]
     results: dict[str, object] = {}
 
     def worker() -> None:
         with mixprec.autocast("cpu", policy=policy, compute="native"):  # told: mm in float32
             steps[0].set()
+            steps[1].wait()  # (the main thread resets, then registers kernels again: a new epoch)
+            out, fast, _ = _counted(lambda: torch.mm(a, b))
+            results["in the region"] = (fast, out.dtype)
+        with torch.autocast("cpu"):  # told on leaving the region: no setting, the native table
+            out, fast, _ = _counted(lambda: torch.mm(a, b))
+            results["after it"] = (fast, out.dtype)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    steps[0].wait()
+    engine.reset()
+    _kernels.register(KEY, "cpu", frozenset(_tables.native("cpu")))
+    steps[1].set()
+    thread.join()
+    assert results == {"in the region": (0, torch.float32), "after it": (1, torch.bfloat16)}
+
+
+def test_a_thread_with_no_mixprec_state_takes_the_native_table():
+    # Threads that held no mixprec state when the kernels came have no setting (any they make is told): plain
+    # torch.autocast there takes the C++ kernels with native's answer, whether the thread is new or left a
+    # region untold (while there were no kernels) before the kernels came.
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    policy = mixprec.policies.CPU.with_ops(fp32=["mm"])
+    steps = [threading.Event() for _ in range(4)]
+    results: dict[str, object] = {}
+
+    def plain(name: str) -> None:
+        with torch.autocast("cpu"):
+            out, fast, _ = _counted(lambda: torch.mm(a, b))
+        results[name] = (fast, out.dtype)
+
+    def worker() -> None:
+        with mixprec.autocast("cpu", policy=policy, compute="native"):
+            steps[0].set()
             steps[1].wait()  # (the main thread resets: no kernels, a new epoch)
         steps[2].set()  # left the region untold
         steps[3].wait()  # (the main thread registers kernels again)
-        with torch.autocast("cpu"):
-            out, results["fast"], _ = _counted(lambda: torch.mm(a, b))
-        results["dtype"] = out.dtype
+        plain("left a region untold")
 
     thread = threading.Thread(target=worker)
     thread.start()
@@ -400,4 +432,8 @@ def test_a_thread_not_told_of_its_setting_goes_to_python():
     _kernels.register(KEY, "cpu", frozenset(_tables.native("cpu")))
     steps[3].set()
     thread.join()
-    assert results == {"fast": 0, "dtype": torch.bfloat16}  # native's answer, from the Python kernel
+    fresh = threading.Thread(target=plain, args=("a new thread",))
+    fresh.start()
+    fresh.join()
+    native = (1, torch.bfloat16)
+    assert results == {"left a region untold": native, "a new thread": native}

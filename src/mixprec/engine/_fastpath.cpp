@@ -36,6 +36,7 @@
 #include <mutex>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -58,11 +59,20 @@ constexpr size_t kDevices = 8;
 // Per device slot: this thread's setting's table, and the process's table of torch's native categories (for
 // a thread with no setting; null while mixprec.install is in force). Native tables are kept for the life of
 // the process, so a reader never sees one freed. A thread's table counts only if it was set in the current
-// epoch (``synced``): a thread Python has not told of its setting since the kernels came (or came back after
-// ``_kernels.reset``, which starts a new epoch) might have one, so its calls go to Python until it is told.
+// epoch (``synced``). A thread Python has not told of its setting since the kernels came (or came back after
+// ``_kernels.reset``, which starts a new epoch) takes the native table if it held no mixprec state when they
+// came (``holders``: it has no setting, and any it makes later is told); one that held some might have a
+// setting, so its calls go to Python until it is told.
 thread_local std::array<std::shared_ptr<const Table>, kDevices> active;
 thread_local std::array<uint64_t, kDevices> synced{};
 std::atomic<uint64_t> epoch{1};
+// The threads (``threading.get_ident``) that held mixprec state when the kernels came (``set_holders``); null
+// until Python says, so that every thread not told counts as one. Each thread reads it once per generation.
+std::mutex holders_lock;
+std::shared_ptr<const std::unordered_set<unsigned long>> holders;
+std::atomic<uint64_t> holders_generation{1};
+thread_local uint64_t holder_checked = 0;
+thread_local bool holder_here = true;
 std::array<std::atomic<const Table*>, kDevices> native{};
 std::mutex native_lock;
 std::atomic<bool> enabled{true};  // false: every call goes to the Python kernel (``_fastpath.suspended``)
@@ -209,6 +219,16 @@ at::Tensor cast_one(const at::Tensor& t, at::ScalarType dtype, c10::DeviceType d
 // Whether no reentrant checkpoint's forward can be running, so none has to record the call (the Python kernel
 // looks for one when grad mode is off). Grad on: none can. Grad off (no_grad): none can unless in the forward of a
 // custom autograd Function, which also turns forward-mode grad off (as inference_mode does: both go to Python).
+// Whether this thread held mixprec state when the kernels came (or Python has not said yet).
+bool held_state() {
+  if (holder_checked != holders_generation.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> hold(holders_lock);
+    holder_here = !holders || holders->count(PyThread_get_thread_ident()) > 0;
+    holder_checked = holders_generation.load();
+  }
+  return holder_here;
+}
+
 bool outside_checkpoints() {
   if (at::GradMode::is_enabled()) return true;
   return c10::AutogradState::get_tls_state().get_fw_grad_mode() && !c10::InferenceMode::is_enabled();
@@ -225,10 +245,11 @@ struct Kernel final : c10::OperatorKernel {
         python(std::move(python)) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-    const Table* table = active[slot].get();
-    if (table == nullptr) table = native[slot].load(std::memory_order_acquire);
+    const bool told = synced[slot] == epoch.load(std::memory_order_acquire);
+    const Table* table = told ? active[slot].get() : nullptr;
+    if (table == nullptr && (told || !held_state())) table = native[slot].load(std::memory_order_acquire);
     if (table == nullptr || static_cast<size_t>(number) >= table->plans.size() ||
-        synced[slot] != epoch.load(std::memory_order_acquire) || !enabled.load(std::memory_order_relaxed)) {
+        !enabled.load(std::memory_order_relaxed)) {
       ++python_calls;
       return python.callBoxed(op, ks, stack);
     }
@@ -401,7 +422,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_active", &set_active);
   m.def("set_native", &set_native);
   m.def("set_enabled", [](bool on) { enabled.store(on); });
-  m.def("new_epoch", []() { epoch.fetch_add(1); });
+  m.def("new_epoch", []() {
+    std::lock_guard<std::mutex> hold(holders_lock);
+    holders.reset();
+    holders_generation.fetch_add(1);
+    epoch.fetch_add(1);
+  });
+  m.def("set_holders", [](const std::vector<unsigned long>& idents) {
+    auto made = std::make_shared<const std::unordered_set<unsigned long>>(idents.begin(), idents.end());
+    std::lock_guard<std::mutex> hold(holders_lock);
+    holders = std::move(made);
+    holders_generation.fetch_add(1);
+  });
   m.def("set_eligible", [](const std::vector<pybind11::object>& dtypes) {
     castable.fill(false);
     for (const auto& d : dtypes) {

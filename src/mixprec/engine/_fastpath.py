@@ -7,7 +7,8 @@ commonest call itself and hands every other call to the Python kernel below it::
 
     plans   = this thread's table for the device: its mixprec setting's (pushed by _state.ActiveSettings),
               or, with no setting, torch's native categories (while nothing is installed); a thread not
-              told of its setting since the kernels came (or came back after a reset) goes to Python
+              told of its setting since the kernels came (or came back after a reset) takes the native
+              table if it held no mixprec state then (``set_holders``), else goes to Python
     fast    = plans[op] is a plain cast or none, in forward, no saved-tensor hooks, grad on or a no_grad
               outside any custom Function's forward (so no checkpoint records the call), and no tracer,
               Python mode or functorch key in the call's key set
@@ -154,6 +155,14 @@ def detach_all() -> None:
         module.new_epoch()  # no thread's table counts until Python tells the thread's setting again
         for where in _slots.values():
             module.set_native(where, None)
+
+
+def set_holders(idents: set[int]) -> None:
+    """The threads that hold mixprec state now (``_state.holders``), as the kernels come: a thread not among
+    them and not told of a setting since has none (any it makes is told), so it may take the native table."""
+    module = _loaded[0] if _loaded else None
+    if module is not None:
+        module.set_holders(sorted(idents))
 
 
 def count() -> int:

@@ -199,7 +199,8 @@ def _follow_settings(device_type: str) -> None:
     _install.on_change = _fastpath.native_allowed
     _fastpath.native_allowed(_install.current is None)
     _setting_changed(device_type, _state.get().active.get(device_type))  # this thread's (other threads': as
-    # each next changes its setting; until then their calls go to Python)
+    # each next changes its setting; until then their calls go to Python if they hold mixprec state now)
+    _fastpath.set_holders(set(_state.holders))
 
 
 def _setting_changed(device_type: str, setting: _state.Setting | None) -> None:
