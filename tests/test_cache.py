@@ -21,7 +21,7 @@ import torch
 import mixprec
 from _counting import CountCasts
 from mixprec import engine
-from mixprec.engine import _cast, _kernels, _tables
+from mixprec.engine import _cast, _fastpath, _kernels, _tables
 
 
 @pytest.fixture(autouse=True)
@@ -232,3 +232,50 @@ def test_the_python_caches_without_the_extension():
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout
+
+
+@pytest.mark.parametrize("kernels", ["c++ where they take the call", "python"])
+@pytest.mark.parametrize("region", ["torch.autocast", "mixprec.autocast"])
+def test_inference_mode_casts_are_never_kept_as_natively(region, kernels):
+    """torch keeps no cast made under inference_mode (since its fix for pytorch#158232; torch 2.10 still kept
+    them, and its backward below fails): one made there is an inference tensor, which a later differentiable
+    call in the same region must not get. With every native op as a mixprec kernel, the results equal native's
+    for the inference calls and the differentiable one each run in a region of its own."""
+    layer = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+
+    def inference(make_region):  # type: ignore[no-untyped-def]
+        with make_region(), torch.inference_mode():
+            return layer(x)
+
+    def differentiable(make_region):  # type: ignore[no-untyped-def]
+        layer.zero_grad(set_to_none=True)
+        with make_region():
+            out = layer(x)
+        out.float().sum().backward()
+        return out.detach(), layer.weight.grad, layer.bias.grad
+
+    def together(make_region):  # type: ignore[no-untyped-def]
+        layer.zero_grad(set_to_none=True)
+        with make_region():
+            with torch.inference_mode():
+                first = layer(x)
+            out = layer(x)
+            with torch.inference_mode():
+                again = layer(x)
+        out.float().sum().backward()
+        return first, again, out.detach(), layer.weight.grad, layer.bias.grad
+
+    engine.reset()
+    plain = lambda: torch.autocast("cpu")  # noqa: E731
+    native = (inference(plain), inference(plain), *differentiable(plain))
+    _kernels.register("AutocastCPU", "cpu", frozenset(_tables.native("cpu")))
+    regions = {"torch.autocast": plain, "mixprec.autocast": lambda: mixprec.autocast("cpu", compute="native")}
+    if kernels == "python":
+        with _fastpath.suspended():
+            got = together(regions[region])
+    else:
+        got = together(regions[region])
+    assert len(_cast.thread_cache()) == 0 and len(_cast._torch_cache) == 0
+    for a, b in zip(got, native, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -126,7 +126,6 @@ def test_the_fast_path_casts_weights_through_the_cache(region):
     "condition",
     [
         "no_grad in a Function's forward",
-        "inference_mode",
         "checkpoint",
         "reentrant checkpoint",
         "dispatch mode",
@@ -152,11 +151,6 @@ def test_calls_the_fast_path_must_not_decide_go_to_python(condition):
                 return g
 
         run = lambda: Forward.apply(x)  # noqa: E731
-    elif condition == "inference_mode":
-
-        def run():  # type: ignore[no-redef]
-            with torch.inference_mode():
-                return model(x)
     elif condition == "checkpoint":
         run = lambda: checkpoint(model, x, use_reentrant=False)  # noqa: E731
     elif condition == "reentrant checkpoint":
@@ -370,6 +364,24 @@ def test_no_grad_takes_the_fast_path_and_equals_the_python_kernels(region):
         expected = run()
     got, fast, _ = _counted(run)
     assert fast >= 6
+    _same(got, expected)
+
+
+@pytest.mark.parametrize("region", list(REGIONS))
+def test_inference_mode_takes_the_fast_path_and_equals_the_python_kernels(region):
+    # Nothing made under inference_mode is recomputed by a checkpoint, and no weight's cast is kept there
+    # (_cast.cache_for_call): the C++ kernels take the calls, with the Python kernels' results.
+    x = torch.randn(6, 4, 16)
+
+    def run():  # type: ignore[no-untyped-def]
+        model = _model()
+        with REGIONS[region](), torch.inference_mode():
+            return model(x), model(x)
+
+    with _fastpath.suspended():
+        expected = run()
+    got, fast, slow = _counted(run)
+    assert fast >= 6 and slow == 0
     _same(got, expected)
 
 

@@ -22,6 +22,10 @@ on where the kernel runs (``cache_for_call``):
   mixprec has kernels (``follow_torch``). So a plain ``torch.autocast`` region
   casts a weight as often as native does, whatever mixprec did before.
 
+Under ``inference_mode`` neither is used, as torch uses none there (its fix for
+pytorch#158232): a cast made there is an inference tensor, which no later
+differentiable call may use.
+
 Both caches live in the C++ extension once it is built (``use_extension``), so
 the C++ kernels keep a weight's cast without entering Python, and the Python
 kernels reach the same entries (``ExtensionCache``); without the extension they
@@ -157,6 +161,8 @@ def follow_torch(on: bool) -> None:
 def cache_for_call() -> Cache | None:
     """The cache a ``lower_precision_fp`` kernel casts weights through now, or None (see the module)."""
     if not torch.is_autocast_cache_enabled() or _compat.tracing():  # a graph casts each once anyway
+        return None
+    if torch.is_inference_mode_enabled():  # an inference tensor can never serve a later differentiable call
         return None
     if _state._state.frames:
         return thread_cache() if torch.is_grad_enabled() else None

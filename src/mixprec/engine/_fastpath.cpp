@@ -205,6 +205,7 @@ at::Tensor cast_mirror(const at::Tensor& weight, at::ScalarType dtype) {
 // ``_cast.cast_weight`` for a call in forward with no trace: inside a mixprec level, the thread's own cache
 // while grad is on and none under no_grad; else the mirror of torch's.
 at::Tensor cast_cached(const at::Tensor& weight, at::ScalarType dtype) {
+  if (c10::InferenceMode::is_enabled()) return weight.to(dtype);  // an inference tensor: never kept (as torch)
   if (!in_level) return cast_mirror(weight, dtype);
   if (!at::GradMode::is_enabled()) return weight.to(dtype);
   return cast_own(weight, dtype);
@@ -216,9 +217,6 @@ at::Tensor cast_one(const at::Tensor& t, at::ScalarType dtype, c10::DeviceType d
   return t.to(dtype);
 }
 
-// Whether no reentrant checkpoint's forward can be running, so none has to record the call (the Python kernel
-// looks for one when grad mode is off). Grad on: none can. Grad off (no_grad): none can unless in the forward of a
-// custom autograd Function, which also turns forward-mode grad off (as inference_mode does: both go to Python).
 // Whether this thread held mixprec state when the kernels came (or Python has not said yet).
 bool held_state() {
   if (holder_checked != holders_generation.load(std::memory_order_acquire)) {
@@ -229,9 +227,13 @@ bool held_state() {
   return holder_here;
 }
 
+// Whether no checkpoint can need the call recorded (the Python kernel looks for a reentrant one's forward when
+// grad mode is off). Grad on: none can. Under inference_mode nothing is recomputed (what it makes never enters
+// an autograd graph). Grad off (no_grad): none can unless in the forward of a custom autograd Function, which
+// turns forward-mode grad off (those go to Python).
 bool outside_checkpoints() {
-  if (at::GradMode::is_enabled()) return true;
-  return c10::AutogradState::get_tls_state().get_fw_grad_mode() && !c10::InferenceMode::is_enabled();
+  if (at::GradMode::is_enabled() || c10::InferenceMode::is_enabled()) return true;
+  return c10::AutogradState::get_tls_state().get_fw_grad_mode();
 }
 
 struct Kernel final : c10::OperatorKernel {
