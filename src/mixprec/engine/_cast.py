@@ -50,7 +50,6 @@ _UNSET: Any = object()  # cast_call: the cache not looked up yet
 is_eligible = _plan.eligible_tensor  # whether autocast may cast a tensor in a region on a device type
 
 
-
 class OwnCache(dict[tuple[int, torch.dtype], tuple["weakref.ref[torch.Tensor]", int, torch.Tensor]]):
     """A thread's own cache kept in Python (without the C++ extension): ``(id(weight), dtype)`` -> (a weak
     reference to the weight, its version, its cast)."""

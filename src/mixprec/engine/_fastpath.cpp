@@ -3,11 +3,12 @@
 // ``_fastpath.py`` builds this file on first use and registers one ``Kernel`` per overload on top of the Python
 // kernel ``_kernels`` registered at the same key. A call takes the fast path when all of these hold:
 //
-//   - this thread has a mixprec setting for the device (a ``Table``, pushed by ``_state.ActiveSettings``);
-//   - the setting's plan for the overload is a plain cast (``CAST``: the target dtype, or the region's, and
+//   - this thread's table for the device is known: its mixprec setting's (a ``Table``, pushed by
+//     ``_state.ActiveSettings``), or with no setting torch's native categories (``native``, ``holders``);
+//   - the table's plan for the overload is a plain cast (``CAST``: the target dtype, or the region's, and
 //     whether weights go through the cast cache) or none at all (``THROUGH``: torch's fallthrough);
-//   - the call is in forward (no autograd graph task), with no saved-tensor hooks and grad mode on or a plain
-//     no_grad (``outside_checkpoints``), so that no checkpoint has to record it;
+//   - the call is in forward (no autograd graph task), with no saved-tensor hooks and grad mode on,
+//     inference_mode or a plain no_grad (``outside_checkpoints``), so that no checkpoint has to record it;
 //   - no key of a tracer, a Python mode or a functorch transform is in the call's key set.
 //
 // Everything else calls the Python kernel, the one implementation of every rule; the fast path repeats only

@@ -9,9 +9,9 @@ commonest call itself and hands every other call to the Python kernel below it::
               or, with no setting, torch's native categories (while nothing is installed); a thread not
               told of its setting since the kernels came (or came back after a reset) takes the native
               table if it held no mixprec state then (``set_holders``), else goes to Python
-    fast    = plans[op] is a plain cast or none, in forward, no saved-tensor hooks, grad on or a no_grad
-              outside any custom Function's forward (so no checkpoint records the call), and no tracer,
-              Python mode or functorch key in the call's key set
+    fast    = plans[op] is a plain cast or none, in forward, no saved-tensor hooks, grad on, inference_mode
+              or a no_grad outside any custom Function's forward (so no checkpoint records the call), and
+              no tracer, Python mode or functorch key in the call's key set
     fast:   with the Autocast key excluded, cast the eligible tensors (weights through the cast caches, as
             ``_cast.cast_weight``) and call the op; or, without a plan, redispatch below the key
     else:   the Python kernel, as if the C++ kernel were not there
