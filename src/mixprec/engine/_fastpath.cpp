@@ -328,6 +328,12 @@ std::shared_ptr<Registration> attach(const std::string& name, const std::string&
   return reg;
 }
 
+// A torch.dtype's scalar type (Python hands dtypes to plans, ``set_eligible`` and the casts).
+at::ScalarType scalar_type(const pybind11::object& dtype) {
+  TORCH_CHECK(THPDtype_Check(dtype.ptr()), "mixprec: expected a torch.dtype");
+  return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
+}
+
 std::shared_ptr<Table> make_table(const std::vector<std::tuple<int64_t, pybind11::object, bool>>& plans) {
   // (kind, target dtype or None for the region's, cached) per overload number.
   auto table = std::make_shared<Table>();
@@ -335,8 +341,7 @@ std::shared_ptr<Table> make_table(const std::vector<std::tuple<int64_t, pybind11
   for (const auto& [kind, dtype, cached] : plans) {
     int8_t target = -1;
     if (!dtype.is_none()) {
-      TORCH_CHECK(THPDtype_Check(dtype.ptr()), "mixprec: a plan's dtype must be a torch.dtype");
-      target = static_cast<int8_t>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type);
+      target = static_cast<int8_t>(scalar_type(dtype));
     }
     table->plans.push_back(Plan{static_cast<int8_t>(kind), target, cached});
   }
@@ -410,11 +415,6 @@ size_t mirror_size() {
   return mirror.size();
 }
 
-at::ScalarType scalar_type(const pybind11::object& dtype) {
-  TORCH_CHECK(THPDtype_Check(dtype.ptr()), "mixprec: expected a torch.dtype");
-  return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -440,8 +440,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_eligible", [](const std::vector<pybind11::object>& dtypes) {
     castable.fill(false);
     for (const auto& d : dtypes) {
-      TORCH_CHECK(THPDtype_Check(d.ptr()), "mixprec: set_eligible takes torch.dtype objects");
-      castable[static_cast<size_t>(reinterpret_cast<THPDtype*>(d.ptr())->scalar_type)] = true;
+      castable[static_cast<size_t>(scalar_type(d))] = true;
     }
   });
   m.def("counts", []() { return std::make_tuple(fast_calls, python_calls); });
