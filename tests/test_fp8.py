@@ -308,6 +308,31 @@ def test_fp8_training_gradients_and_checkpointing_are_bit_equal(scaling):
         assert all(torch.equal(a, b) for a, b in zip(plain, checkpoint_grads(policy, mode), strict=True)), mode
 
 
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "delayed"])
+def test_a_backward_called_inside_the_region_gives_the_gradients_of_one_called_after_it(scaling):
+    """The backward GEMMs run outside any autocast kernel, so inside an enabled CPU region autocast would meet
+    the float32 product that stands for ``_scaled_mm`` on CPU and run it in bfloat16."""
+    policy = FP8.with_fp8_recipe(scaling=scaling)
+
+    def grads(inside: bool) -> list[torch.Tensor]:
+        engine.reset()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        x = torch.randn(32, 64, requires_grad=True)
+        with _region(policy=policy):
+            loss = net(x).float().pow(2).mean()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        engine.reset()
+        return [p.grad for p in net.parameters()] + [x.grad]
+
+    after, inside = grads(False), grads(True)
+    assert all(g.dtype is torch.float32 and g.abs().sum() > 0 for g in after)
+    assert all(torch.equal(a, b) for a, b in zip(after, inside, strict=True))
+
+
 def test_a_module_policy_keeps_a_layer_out_of_fp8():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))

@@ -438,8 +438,14 @@ def scaled_mm(
     On CUDA, rowwise scales with a float32 output run only through cuBLAS 12.9+ on compute capability 9.0;
     elsewhere torch's CUTLASS kernel refuses any output but bfloat16 (float16 from 2.10 on some builds). A
     rowwise GEMM asked for float32 therefore runs with a bfloat16 output, cast up: the dtype asked for, with
-    bfloat16's rounding of the product (the gradients of float32 weights under a rowwise recipe)."""
+    bfloat16's rounding of the product (the gradients of float32 weights under a rowwise recipe).
+
+    The CPU product is a float32 matmul even inside an enabled CPU autocast region (a backward called there,
+    where no autocast kernel has excluded the key): autocast would run it in the region's dtype."""
     if a.device.type == "cpu":
+        if torch.is_autocast_enabled("cpu"):  # a backward called inside a CPU region: keep the product float32
+            with torch.autocast("cpu", enabled=False):
+                return (a.float() @ b.float() * scale_a * scale_b).to(out_dtype)
         return (a.float() @ b.float() * scale_a * scale_b).to(out_dtype)
     if (scale_a.numel() != 1 or scale_b.numel() != 1) and out_dtype not in (torch.bfloat16, torch.float16):
         product = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
