@@ -382,7 +382,7 @@ def test_compiled_fp8_equals_eager_within_float_tolerance(backend):
     torch._dynamo.reset()
 
 
-def test_explain_policy_and_fx_pass_say_what_fp8_does(tmp_path):
+def test_explain_and_the_policy_say_what_fp8_does(tmp_path):
     why = mixprec.explain("linear", "cpu", FP8)
     assert (why.category, why.target, why.runs_in) == ("fp8", "float8_e4m3fn", torch.bfloat16)
     assert "float8_e4m3fn through torch._scaled_mm" in why.note
@@ -392,9 +392,101 @@ def test_explain_policy_and_fx_pass_say_what_fp8_does(tmp_path):
     assert mixprec.Policy.from_dict(FP8.to_dict()) == FP8
     (tmp_path / "fp8.toml").write_text(FP8.to_toml())
     assert mixprec.Policy.from_file(tmp_path / "fp8.toml") == FP8
-    exported = torch.export.export(torch.nn.Linear(64, 32), (torch.randn(32, 64),)).module()
-    with pytest.raises(NotImplementedError, match="does not write fp8 GEMMs into a graph yet"):
-        mixprec.graph.apply_policy(exported, FP8, torch.bfloat16, device_type="cpu")
+
+
+class _Block(torch.nn.Module):
+    """Every GEMM form fp8 runs (linear, mm by a parameter, a 3-D matmul), and a linear of 30 outputs that it
+    cannot run (not a multiple of 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32)
+        self.proj = torch.nn.Parameter(torch.randn(32, 48) / 6)
+        self.out = torch.nn.Linear(48, 30)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(torch.nn.functional.gelu(self.up(x)))
+        h = torch.matmul(torch.mm(h, self.proj).unsqueeze(0), torch.eye(48, device=x.device))
+        return self.out(h.squeeze(0))
+
+
+def fx_pass_runs(device: str, policy, compiled: bool = False):
+    """Three steps (SGD between them) of ``_Block`` with a dynamic batch (32, 30, 48 rows: 30 is not a multiple
+    of 16), eagerly in a region under ``policy`` and as its exported graph rewritten by ``apply_policy`` (on a
+    copy of the block; ``compiled``: and then torch.compile'd, fullgraph): for each, the steps' outputs and
+    gradients. Also run on a GPU by tests/cuda/test_cuda_fp8.py."""
+    engine.reset()
+    torch.manual_seed(0)
+    block = _Block().to(device)
+    copy = _Block().to(device)
+    copy.load_state_dict(block.state_dict())
+    batch = torch.export.Dim("batch", min=2, max=1024)
+    example = torch.randn(32, 64, device=device)
+    exported = torch.export.export(copy, (example,), dynamic_shapes={"x": {0: batch}}).module()
+    graph = mixprec.graph.apply_policy(exported, policy, torch.bfloat16, device_type=device)
+    if compiled:
+        torch._dynamo.reset()
+        graph = torch.compile(graph, backend="aot_eager", fullgraph=True)
+    runs: dict[str, list[tuple[torch.Tensor, list[torch.Tensor]]]] = {"eager": [], "graph": []}
+    models = {"eager": block, "graph": graph}
+    optimizers = {name: torch.optim.SGD(model.parameters(), lr=0.1) for name, model in models.items()}
+    for rows in (32, 30, 48):
+        x = torch.randn(rows, 64, device=device)
+        for name, model in models.items():
+            if name == "eager":
+                with mixprec.autocast(device, dtype=torch.bfloat16, policy=policy, compute="native"):
+                    out = model(x)
+            else:
+                out = model(x)
+            out.float().pow(2).mean().backward()
+            runs[name].append((out.detach(), [p.grad.clone() for p in model.parameters()]))
+        for optimizer in optimizers.values():
+            optimizer.step()
+            optimizer.zero_grad()
+    torch._dynamo.reset()
+    engine.reset()
+    return runs, graph
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "delayed"])
+def test_the_fx_pass_writes_fp8_calls_that_equal_eager_bit_for_bit(scaling):
+    """An exported graph rewritten under an fp8 policy gives eager mixprec's outputs and gradients bit for bit
+    with every recipe, through optimizer steps (delayed: the same history) and a dynamic batch that is aligned
+    in some steps and not in others (each fp8 node decides when it runs, as the kernels decide per call)."""
+    policy = FP8.with_fp8_recipe(scaling=scaling, power_of_2=scaling == "rowwise")
+    runs, graph = fx_pass_runs("cpu", policy)
+    nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
+    fp8 = [n.args[0] for n in nodes if n.target is mixprec.graph._fp8.scaled_call]
+    ops = torch.ops.aten
+    # with a dynamic batch every GEMM may run in fp8 (`out`, of 30 outputs, never does: its node decides)
+    assert fp8 == [ops.linear.default, ops.linear.default, ops.mm.default, ops.matmul.default, ops.linear.default]
+    for step, ((eager, eager_grads), (got, grads)) in enumerate(zip(runs["eager"], runs["graph"], strict=True)):
+        assert got.dtype is torch.bfloat16 and torch.equal(got, eager), step
+        assert all(torch.equal(a, b) for a, b in zip(eager_grads, grads, strict=True)), step
+
+
+def test_an_fp8_graph_compiles_whole_exports_again_and_runs_inside_a_region():
+    runs, _ = fx_pass_runs("cpu", FP8, compiled=True)
+    for (eager, eager_grads), (got, grads) in zip(runs["eager"], runs["graph"], strict=True):
+        torch.testing.assert_close(got.float(), eager.float(), rtol=2e-2, atol=1e-1)
+        for a, b in zip(eager_grads, grads, strict=True):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    torch.manual_seed(0)
+    block, x = _Block(), torch.randn(32, 64)
+    graph = mixprec.graph.apply_policy(torch.export.export(block, (x,)).module(), FP8, torch.bfloat16)
+    nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
+    assert sum(n.target is mixprec.graph._fp8.scaled_call for n in nodes) == 4  # static sizes: `out` is cast
+    assert torch.ops.aten.linear.default in {n.target for n in nodes} and mixprec.graph.cast_nodes(graph) == 2
+    with _region():
+        eager = block(x)
+    again = torch.export.export(graph, (x,)).module()  # the fp8 calls written out as ATen ops
+    assert torch.equal(again(x), eager)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a graph run in a region: the fp8 calls do not cast again
+        assert torch.equal(graph(x), eager)
+    with pytest.raises(RuntimeError, match="fp8 with delayed scaling cannot run under torch"):
+        torch.export.export(mixprec.graph.apply_policy(
+            torch.export.export(block, (x,)).module(), FP8.with_fp8_recipe(scaling="delayed"), torch.bfloat16
+        ), (x,))  # fmt: skip
 
 
 @pytest.mark.parametrize("release", sorted(importlib.import_module("mixprec.policies.cuda").RELEASES))

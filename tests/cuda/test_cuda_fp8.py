@@ -3,7 +3,8 @@ the GEMMs (compute capability 8.9 or later: Ada, Hopper and newer).
 
 Against the same independent emulation: forward values and both gradients for every dynamic recipe; a region
 under ``policies.FP8`` runs the fp8 GEMMs with the region's dtype out; checkpointing is bit-equal to none;
-compiled (inductor, fullgraph) equals eager; ``choose_fp8_layers`` keeps a layer out; a GPT-2 trained 150 steps
+compiled (inductor, fullgraph) equals eager; an exported graph rewritten by ``apply_policy`` equals eager bit
+for bit; ``choose_fp8_layers`` keeps a layer out; a GPT-2 trained 150 steps
 in fp8 ends within 3% of bf16.
 """
 
@@ -14,7 +15,7 @@ import torch
 
 import mixprec
 from mixprec.engine import _fp8
-from test_fp8 import RECIPES, _emulated, _inputs, checkpoint_grads
+from test_fp8 import RECIPES, _emulated, _inputs, checkpoint_grads, fx_pass_runs
 from test_fp8_training import _gpt2_losses
 
 FP8 = mixprec.policies.FP8
@@ -105,3 +106,11 @@ def test_gpt2_trained_150_steps_in_fp8_ends_within_3_percent_of_bf16(device):
     end_bf16, end_fp8 = sum(bf16[-10:]) / 10, sum(fp8[-10:]) / 10
     assert end_bf16 < 0.5 * bf16[0]
     assert abs(end_fp8 - end_bf16) <= 0.03 * end_bf16, (end_fp8, end_bf16)
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_the_fx_pass_writes_fp8_calls_that_equal_eager_bit_for_bit(device, deterministic, scaling):
+    runs, _ = fx_pass_runs(device, FP8.with_fp8_recipe(scaling=scaling))
+    for step, ((eager, eager_grads), (got, grads)) in enumerate(zip(runs["eager"], runs["graph"], strict=True)):
+        assert got.dtype is torch.bfloat16 and torch.equal(got, eager), step
+        assert all(torch.equal(a, b) for a, b in zip(eager_grads, grads, strict=True)), step

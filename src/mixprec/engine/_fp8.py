@@ -196,8 +196,9 @@ class _Fp8Linear(torch.autograd.Function):
         bias: torch.Tensor | None,
         recipe: Fp8Recipe,
         out_dtype: torch.dtype,
-        source: torch.Tensor,
+        source: torch.Tensor | None,
     ) -> torch.Tensor:
+        source = weight if source is None else source
         rowwise = recipe.scaling == "rowwise"
         forward = format_dtype(recipe.forward)
         x2 = x.reshape(-1, x.shape[-1])
@@ -336,5 +337,6 @@ def linear(
     The caller checks ``aligned`` first (an unaligned call runs in the region's dtype instead). ``source``
     (default: the weight) keys the weight's kept quantisation and, under a delayed recipe, its amax history
     (``_amax``)."""
-    source = weight if source is None else source
+    if source is weight or _compat.tracing():  # (a compiled graph keeps nothing per weight; and dynamo refuses
+        source = None  # a tensor given to a Function twice)
     return _Fp8Linear.apply(x, weight, bias, recipe, out_dtype, source)  # type: ignore[no-any-return]

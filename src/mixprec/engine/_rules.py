@@ -146,15 +146,25 @@ def scaled(category: Category, recipe: Fp8Recipe) -> Rule:
 
     def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
         plan = decide(dtype, (), False, "")
-        found = _fp8.as_linear(op, args, kwargs, device)
-        if found is not None:
-            x, weight, bias, source = found
-            return _fp8.linear(x, weight, bias, recipe, plan.cast_to, source)  # type: ignore[arg-type]
-        cast, cast_kwargs = _cast.cast_call(args, kwargs, plan.cast_to, device, True)  # type: ignore[arg-type]
-        return op(*cast, **cast_kwargs)
+        return run_scaled(op, device, plan.cast_to, recipe, args, kwargs, cached=True)  # type: ignore[arg-type]
 
     rule.__name__ = category.value
     return rule
+
+
+def run_scaled(
+    op: Op, device: str, dtype: torch.dtype, recipe: Fp8Recipe, args: Any, kwargs: Any, *, cached: bool
+) -> Any:
+    """A call of an fp8 category's op: in fp8 under ``recipe`` with its output in ``dtype`` (the region's) where
+    fp8 can run it, else with its eligible tensors cast to ``dtype`` (weights through the cast cache if
+    ``cached``). The eager kernels call it, and so do the fp8 nodes the FX pass writes (``graph._fp8``), which
+    decide at run time as the kernels do."""
+    found = _fp8.as_linear(op, args, kwargs, device)
+    if found is not None:
+        x, weight, bias, source = found
+        return _fp8.linear(x, weight, bias, recipe, dtype, source)
+    cast, cast_kwargs = _cast.cast_call(args, kwargs, dtype, device, cached)
+    return op(*cast, **cast_kwargs)
 
 
 #: What a kernel calls for its op: ``runner(args, kwargs)``, with the Autocast key excluded.

@@ -9,6 +9,9 @@ Algorithm::
             promote                   -> to the widest eligible input dtype (real dtypes, no guess)
             fp32_set_opt_dtype / fp32_append_dtype -> dtype=float32 (on the overload that takes it)
             banned                    -> RuntimeError naming the user's source line
+            fp8 (scaled_mm)           -> where fp8 may run it (_fp8.fits; a symbolic size: may), one node
+                                         calling the kernels' rule (_fp8.scaled_call), which decides when
+                                         it runs; else as lower_precision_fp
         copy the node; compute its fake value from its new inputs
 
 The category is the engine's for the node's overload (``_tables``: the device's
@@ -31,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from mixprec import _compat, _errors
 from mixprec.engine import _devices, _plan, _rules, _tables
+from mixprec.graph import _fp8
 from mixprec.graph._casts import Casts, is_cast
 from mixprec.policies import Category, Policy
 from mixprec.policies._category import Action
@@ -122,8 +126,28 @@ class _Rewrite:
             target, args, kwargs = self._apply(category, node, target, args, kwargs)
         new = self.casts.graph.call_function(target, args, kwargs)
         new.meta = {**node.meta}
+        if target is _fp8.scaled_call:  # its value is the cast call's (fp8 gives the same shape and dtype)
+            op, op_args, op_kwargs, _, dtype, _ = args
+            cast_args, cast_kwargs = self.cast_values((op_args, op_kwargs), dtype)
+            target, args, kwargs = op, cast_args, cast_kwargs
         new.meta["val"] = _fake_call(self.casts.fake_mode, target, args, kwargs, node)
         return new
+
+    def cast_values(self, tree: Any, dtype: torch.dtype) -> Any:
+        """``tree`` with each eligible node replaced by a fake value of its cast to ``dtype`` (no node made)."""
+        with self.casts.fake_mode:
+            return pytree.tree_map_only(
+                fx.Node, lambda n: n.meta["val"].to(dtype) if self.eligible(n) else n.meta.get("val"), tree
+            )
+
+    def _may_run_fp8(self, target: Any, args: Any, kwargs: Any, device: str) -> bool:
+        """Whether the call may run in fp8: ``_fp8.fit`` on its fake values; a call with a symbolic size may too
+        (its node decides when it runs, as the kernels do)."""
+        vals, kwarg_vals = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (args, kwargs))
+        tensors = [v for v in pytree.tree_leaves((vals, kwarg_vals)) if isinstance(v, torch.Tensor)]
+        if any(isinstance(size, torch.SymInt) for t in tensors for size in t.shape):
+            return True
+        return _fp8.fits(target, vals, kwarg_vals, device)
 
     def _inline(self, node: fx.Node, target: Any, args: Any, kwargs: Any, depth: int) -> fx.Node | None:
         """For an op with no category whose CompositeImplicitAutograd kernel reaches ops with one: its
@@ -178,15 +202,10 @@ class _Rewrite:
         if plan.error is not None:
             raise RuntimeError(f"{plan.error}{_where(node)}")
         if plan.scaled is not None:
-            raise NotImplementedError(
-                _errors.message(
-                    f"apply_policy cannot write {_tables.qualified(target)} in {category.value}{_where(node)}",
-                    "the FX pass does not write fp8 GEMMs into a graph yet, and running the op in the region's "
-                    "dtype instead would give a graph that silently differs from eager",
-                    fix="Run the model eagerly or under torch.compile in a mixprec.autocast region (both run the "
-                    "fp8 category), or move the op out of fp8 for the exported graph.",
-                )
-            )
+            device = self.device_type or (first.meta["val"].device.type if first is not None else None)
+            if device is not None and self._may_run_fp8(target, args, kwargs, device):
+                fields = _fp8.recipe_fields(self.policy.fp8_recipe)
+                return _fp8.scaled_call, (target, args, kwargs, device, plan.cast_to, fields), {}
         if plan.cast_to is not None:
             return target, *self.cast_all((args, kwargs), plan.cast_to)
         if plan.dtype_arg is not None:
