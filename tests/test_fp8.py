@@ -333,6 +333,35 @@ def test_a_backward_called_inside_the_region_gives_the_gradients_of_one_called_a
     assert all(torch.equal(a, b) for a, b in zip(after, inside, strict=True))
 
 
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "delayed"])
+def test_an_inference_mode_pass_before_training_steps_gives_what_a_no_grad_one_gives(scaling):
+    """Lightning's sanity check, for one: an evaluation under ``inference_mode`` before the first training step.
+    A weight's kept quantisation and a delayed history made there were inference tensors, so the training step
+    that reused them failed (saved for backward; updated in place outside inference mode)."""
+    policy = FP8.with_fp8_recipe(scaling=scaling)
+
+    def run(evaluation) -> list[torch.Tensor]:
+        engine.reset()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        x = torch.randn(32, 64)
+        with evaluation(), _region(policy=policy):
+            seen = [net(x)]
+        for _ in range(2):
+            with _region(policy=policy):
+                out = net(x)
+            out.float().pow(2).mean().backward()
+            seen += [out.detach(), *(p.grad.clone() for p in net.parameters())]
+            opt.step()
+            opt.zero_grad()
+        engine.reset()
+        return seen
+
+    inference, no_grad = run(torch.inference_mode), run(torch.no_grad)
+    assert all(torch.equal(a, b) for a, b in zip(inference, no_grad, strict=True))
+
+
 def test_a_module_policy_keeps_a_layer_out_of_fp8():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))

@@ -110,6 +110,9 @@ def site(weight: torch.Tensor, steps: int) -> Site:
                 "delayed scaling eagerly.",
             )
         )
+    if torch.is_inference_mode_enabled():  # (a history made or rolled there would be an inference tensor, which
+        with torch.inference_mode(False):  # the next step outside it could not update in place)
+            return site(weight, steps)
     found = _sites.get(id(weight))
     if found is None or found.weight() is not weight:
         found = _make(weight, steps, stamp(weight))

@@ -95,7 +95,9 @@ def quantise_weight(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantise`` for a weight, kept while its ``source`` (the tensor the call got: the weight itself, or the
     ``other`` that ``mm`` multiplies by, of which the weight is the transpose) is unchanged (not while tracing:
-    a compiled graph quantises in the graph, where the compiler fuses it).
+    a compiled graph quantises in the graph, where the compiler fuses it). Under ``inference_mode`` it is made
+    outside that mode, as a normal tensor: it carries no autograd history, and a differentiable call later in
+    the step may save it for backward.
 
     Under a delayed recipe (``site``, rolled to this step) a kept quantisation also needs the same site at the
     same count of recorded steps: the scale comes from the site's history, which moves only when a step begins
@@ -108,7 +110,11 @@ def quantise_weight(
     filled = 0 if site is None else site.filled
     if found is not None and found[0]() is source and found[1] == now and found[3] is site and found[4] == filled:
         return found[2]
-    out = quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
+    if torch.is_inference_mode_enabled():  # a normal tensor: a differentiable call later in the step saves it
+        with torch.inference_mode(False):
+            out = quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
+    else:
+        out = quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
 
     def forget(_: object) -> None:
         _weights.pop(key, None)
