@@ -362,6 +362,34 @@ def test_an_inference_mode_pass_before_training_steps_gives_what_a_no_grad_one_g
     assert all(torch.equal(a, b) for a, b in zip(inference, no_grad, strict=True))
 
 
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "delayed"])
+def test_a_frozen_weight_or_a_data_input_costs_one_backward_gemm_with_the_same_gradients(scaling, monkeypatch):
+    """Only the gradients autograd asks for are computed: a layer whose weight is frozen (LoRA's base layers)
+    runs only grad_x's GEMM, and a first layer fed data that needs no gradient only grad_w's; the gradients
+    that are asked for equal those of a run that asks for all of them."""
+    recipe = Fp8Recipe(scaling=scaling)
+    calls = []
+    real = _fp8.scaled_mm
+    monkeypatch.setattr(_fp8, "scaled_mm", lambda *a: calls.append(1) or real(*a))
+    torch.manual_seed(0)
+    x, w, b, g = torch.randn(32, 64), torch.randn(48, 64), torch.randn(48), torch.randn(32, 48)
+
+    def grads(*needed: bool) -> list[torch.Tensor | None]:
+        engine.reset()
+        leaves = [t.clone().requires_grad_(need) for t, need in zip((x, w, b), needed, strict=True)]
+        calls.clear()
+        _fp8.linear(*leaves, recipe, torch.bfloat16).backward(g.bfloat16())
+        engine.reset()
+        return [t.grad for t in leaves]
+
+    every = grads(True, True, True)
+    assert len(calls) == 3 and all(t is not None for t in every)
+    frozen = grads(True, False, False)
+    assert len(calls) == 2 and torch.equal(frozen[0], every[0]) and frozen[1] is frozen[2] is None
+    data = grads(False, True, True)
+    assert len(calls) == 2 and data[0] is None and torch.equal(data[1], every[1]) and torch.equal(data[2], every[2])
+
+
 def test_a_module_policy_keeps_a_layer_out_of_fp8():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))

@@ -8,6 +8,7 @@ For ``y = x @ w.t() + b`` (``x`` flattened to 2-D, ``M x K``; ``w`` is ``N x K``
               grad_x = _scaled_mm(gq, w's fp8 as a column-major N x K, ...)   (grad_y @ w)
               grad_w = _scaled_mm(gq.t() row-major, x's fp8 column-major, ...)  (grad_y.t() @ x)
               grad_b = grad_y summed over rows
+              (each only where autograd asks for it: a frozen weight's layer runs grad_x's GEMM alone)
 
     quantise(t, format): scale = finfo(format).max / max(amax(t), eps)   [rounded down to 2**k: power_of_2]
                          q = clamp(t * scale, ±finfo(format).max).to(format), and 1/scale for _scaled_mm
@@ -221,10 +222,13 @@ class _Fp8Linear(torch.autograd.Function):
                            y.detach(), recipe, ctx.token)  # fmt: skip
             for observe in list(observers):
                 observe(seen)
+        # Only what the gradients asked for need: grad_x takes the weight, grad_w the input (a frozen weight's
+        # layer, a first layer's data input: one backward GEMM, and one operand kept, instead of two).
+        need_x, need_w = ctx.needs_input_grad[:2]
         if rowwise:  # each backward GEMM scales along its own contracted dimension: requantise from these
-            ctx.save_for_backward(x2, weight)
+            ctx.save_for_backward(x2 if need_w else None, weight if need_x else None)
         else:
-            ctx.save_for_backward(xq, sx, wq, sw)
+            ctx.save_for_backward(xq if need_w else None, sx, wq if need_x else None, sw)
         ctx.recipe, ctx.shape, ctx.has_bias, ctx.site, ctx.source = recipe, x.shape, bias is not None, site, source
         ctx.dtypes = (_grad_dtype(x), _grad_dtype(weight), bias.dtype if bias is not None else None)
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -235,27 +239,34 @@ class _Fp8Linear(torch.autograd.Function):
         backward, forward = format_dtype(recipe.backward), format_dtype(recipe.forward)
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         g = grad_y.reshape(-1, grad_y.shape[-1])
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        observed = ctx.token is not None and bool(observers)
+        grad_x = grad_w = gq = sg = None
         if recipe.scaling == "rowwise":
             x2, weight = ctx.saved_tensors
-            gq_rows, sg_rows = quantise(g, backward, recipe, 1)  # grad_x = g @ w: contracted over N
-            wq_cols, sw_cols = quantise_weight(weight, ctx.source, forward, recipe, 0)
-            grad_x = scaled_mm(gq_rows.contiguous(), sg_rows, _column_major(wq_cols), sw_cols, x_dtype)
-            gq_cols, sg_cols = quantise(g, backward, recipe, 0)  # grad_w = g.t() @ x: contracted over M
-            xq_cols, sx_cols = quantise(x2, forward, recipe, 0)
-            a, a_inv = gq_cols.t().contiguous(), sg_cols.reshape(-1, 1)  # (a transpose keeps its strides)
-            grad_w = scaled_mm(a, a_inv, _column_major(xq_cols), sx_cols, w_dtype)
-            gq, sg = gq_rows, sg_rows
+            if need_x or observed:
+                gq, sg = quantise(g, backward, recipe, 1)  # grad_x = g @ w: contracted over N
+            if need_x:
+                wq_cols, sw_cols = quantise_weight(weight, ctx.source, forward, recipe, 0)
+                grad_x = scaled_mm(gq.contiguous(), sg, _column_major(wq_cols), sw_cols, x_dtype)  # type: ignore[union-attr,arg-type]
+            if need_w:
+                gq_cols, sg_cols = quantise(g, backward, recipe, 0)  # grad_w = g.t() @ x: contracted over M
+                xq_cols, sx_cols = quantise(x2, forward, recipe, 0)
+                a, a_inv = gq_cols.t().contiguous(), sg_cols.reshape(-1, 1)  # (a transpose keeps its strides)
+                grad_w = scaled_mm(a, a_inv, _column_major(xq_cols), sx_cols, w_dtype)
         else:
             xq, sx, wq, sw = ctx.saved_tensors
-            gq, sg = quantise(g, backward, recipe, None, ctx.site, _amax.GRAD)
-            grad_x = scaled_mm(gq.contiguous(), sg, _column_major(wq), sw, x_dtype)
-            grad_w = scaled_mm(gq.t().contiguous(), sg, _column_major(xq), sx, w_dtype)
-        if ctx.token is not None and observers:
-            seen = Fp8Grad(g.detach(), gq, sg, ctx.token)
+            gq, sg = quantise(g, backward, recipe, None, ctx.site, _amax.GRAD)  # (records its amax, delayed)
+            if need_x:
+                grad_x = scaled_mm(gq.contiguous(), sg, _column_major(wq), sw, x_dtype)
+            if need_w:
+                grad_w = scaled_mm(gq.t().contiguous(), sg, _column_major(xq), sx, w_dtype)
+        if observed:
+            seen = Fp8Grad(g.detach(), gq, sg, ctx.token)  # type: ignore[arg-type]
             for observe in list(observers):
                 observe(seen)
-        grad_b = g.float().sum(0).to(b_dtype) if ctx.has_bias else None
-        return grad_x.reshape(ctx.shape), grad_w, grad_b, None, None, None
+        grad_b = g.float().sum(0).to(b_dtype) if ctx.has_bias and need_b else None
+        return None if grad_x is None else grad_x.reshape(ctx.shape), grad_w, grad_b, None, None, None
 
 
 class Gemm(NamedTuple):
