@@ -9,14 +9,18 @@ each condition that sends a call to Python is checked to do so.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
+import torch.utils.cpp_extension
 from torch.utils.checkpoint import checkpoint
 
 import mixprec
-from mixprec import engine
+from mixprec import _compat, engine
 from mixprec.engine import _cast, _fastpath, _kernels, _tables
 
 KEY = "AutocastCPU"
@@ -56,6 +60,57 @@ def test_the_extension_builds_on_this_torch():
     else:
         assert _fastpath.extension() is not None, _fastpath.disabled_reason()
         assert _fastpath.disabled_reason() is None
+
+
+#: A process loading the extension in a directory: it holds the load's OS lock and torch's ``lock`` file (as
+#: torch's build does) for argv[2] seconds, then lets both go.
+_LOADER = """
+import pathlib, sys, time
+from mixprec import _compat
+directory = pathlib.Path(sys.argv[1])
+with _compat._build_lock(directory) as alone:
+    (directory / "lock").touch()
+    print("holding", alone, flush=True)
+    time.sleep(float(sys.argv[2]))
+    (directory / "lock").unlink()
+"""
+
+
+def _loader(directory, seconds: float) -> subprocess.Popen[str]:
+    process = subprocess.Popen([sys.executable, "-c", _LOADER, str(directory), str(seconds)], stdout=subprocess.PIPE,
+                               text=True)  # fmt: skip
+    assert process.stdout is not None and process.stdout.readline().strip() == "holding True"
+    return process
+
+
+def _load(directory, monkeypatch) -> tuple[bool, float]:
+    """``_compat.load_extension`` in ``directory`` with torch's load stubbed: whether torch's ``lock`` file was
+    there when torch's load began (it would wait for as long as it stays), and how long that took to come."""
+    seen: list[tuple[bool, float]] = []
+    start = time.monotonic()
+    stub = lambda name, sources, **kwargs: seen.append(((directory / "lock").exists(), time.monotonic() - start))  # noqa: E731
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", stub)
+    _compat.load_extension("mixprec_fastpath_test", "x.cpp", directory)
+    return seen[0]
+
+
+def test_a_lock_left_by_a_killed_load_does_not_hold_up_the_next(tmp_path, monkeypatch):
+    """torch waits with no time limit while its ``lock`` file is there, and a load killed midway (SIGKILL,
+    SIGTERM, a closed terminal) leaves it; before, only a lock older than 10 minutes was removed, so a rerun
+    within them hung."""
+    loader = _loader(tmp_path, 60)
+    loader.kill()
+    loader.wait()
+    assert (tmp_path / "lock").exists()
+    lock_there, waited = _load(tmp_path, monkeypatch)
+    assert not lock_there and waited < 5
+
+
+def test_a_load_waits_while_another_process_loads_there(tmp_path, monkeypatch):
+    loader = _loader(tmp_path, 1.5)
+    lock_there, waited = _load(tmp_path, monkeypatch)
+    loader.wait()
+    assert not lock_there and waited > 1.0  # the other's lock was left alone until it had finished
 
 
 pytestmark = pytest.mark.skipif(os.environ.get("MIXPREC_CPP") == "0", reason="MIXPREC_CPP=0: no C++ kernels")

@@ -17,13 +17,14 @@ Nothing here runs at import time except the release check ``require_supported``,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import sys
 import time
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -379,18 +380,45 @@ def load_extension(name: str, source: str, directory: Path) -> Any:
     below the C++ one), ``SavedTensorDefaultHooks::get_tls_state``, ``torch::autograd::get_current_graph_task_id``,
     ``THPVariable_Wrap`` and ``THPDtype``.
 
-    torch's build waits for as long as a ``lock`` file stays in the build directory, and a build killed
-    midway (Ctrl-C) leaves one: a lock older than any build takes is removed first."""
+    Every load (a build, or only the import of one made before) passes torch's ``lock`` file in the build
+    directory, and waits with no time limit while one is there; a process killed while it held one (SIGKILL,
+    SIGTERM, a closed terminal: anything that skips its ``finally``) leaves it behind. So the load holds an OS
+    lock of its own first (``_build_lock``), which dies with its process: holding it, no live process is loading
+    there, and a ``lock`` file found is stale and removed. Where no OS lock can be had, a ``lock`` older than any
+    build takes is removed instead."""
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
     lock = directory / "lock"
+    with _build_lock(directory) as alone:
+        try:
+            if alone or time.time() - lock.stat().st_mtime > 600:
+                lock.unlink()
+        except FileNotFoundError:
+            pass
+        return cpp_extension.load(name, [source], extra_cflags=["-O2"], build_directory=str(directory), verbose=False)
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[bool]:
+    """An exclusive ``fcntl.flock`` on ``directory/mixprec.lock`` while the block runs, waited for while another
+    process holds it (the OS releases it when that process ends, however it ends). Yields whether it is held:
+    False where the platform or the file system has no such lock."""
     try:
-        if time.time() - lock.stat().st_mtime > 600:
-            lock.unlink()
-    except FileNotFoundError:
-        pass
-    return cpp_extension.load(name, [source], extra_cflags=["-O2"], build_directory=str(directory), verbose=False)
+        import fcntl
+    except ImportError:  # not POSIX
+        yield False
+        return
+    with open(directory / "mixprec.lock", "a") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        except OSError:  # a file system without flock
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def register_kernel(library: Any, name: str, kernel: Callable[..., Any], key: str) -> None:
