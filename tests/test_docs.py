@@ -164,6 +164,12 @@ def _check_command(where: str, argv: list[str], capsys) -> None:
         assert result.code == 0, f"{where}: no command `mixprec {' '.join(sub)}`"
         missing = [flag for flag in _flags(rest) if flag not in result.out]
         assert not missing, f"{where}: `mixprec {' '.join(sub)}` does not take {missing}"
+    elif program == "bash":  # a shell script of tools/, and the parts it takes (its `case` labels)
+        script = ROOT / rest[0]
+        assert script.is_file(), f"{where}: no script {rest[0]}"
+        parts = set(re.findall(r"^(\w[\w-]*)\)$", script.read_text(), flags=re.M))
+        missing = [arg for arg in rest[1:] if arg not in parts]
+        assert not missing, f"{where}: {rest[0]} does not take {missing}"
     elif program in ("mkdocs", "cd", "export"):
         return
     else:
