@@ -515,8 +515,9 @@ def test_the_fx_pass_writes_fp8_calls_that_equal_eager_bit_for_bit(scaling):
     nodes = [n for n in graph.graph.nodes if n.op == "call_function"]
     fp8 = [n.args[0] for n in nodes if n.target is mixprec.graph._fp8.scaled_call]
     ops = torch.ops.aten
-    # with a dynamic batch every GEMM may run in fp8 (`out`, of 30 outputs, never does: its node decides)
-    assert fp8 == [ops.linear.default, ops.linear.default, ops.mm.default, ops.matmul.default, ops.linear.default]
+    # with a dynamic batch these may run in fp8 (their nodes decide per call); `out`, of 30 outputs, never can
+    assert fp8 == [ops.linear.default, ops.linear.default, ops.mm.default, ops.matmul.default]
+    assert ops.linear.default in {n.target for n in nodes}
     for step, ((eager, eager_grads), (got, grads)) in enumerate(zip(runs["eager"], runs["graph"], strict=True)):
         assert got.dtype is torch.bfloat16 and torch.equal(got, eager), step
         assert all(torch.equal(a, b) for a, b in zip(eager_grads, grads, strict=True)), step

@@ -9,7 +9,7 @@ Algorithm::
             promote                   -> to the widest eligible input dtype (real dtypes, no guess)
             fp32_set_opt_dtype / fp32_append_dtype -> dtype=float32 (on the overload that takes it)
             banned                    -> RuntimeError naming the user's source line
-            fp8 (scaled_mm)           -> where fp8 may run it (_fp8.fits; a symbolic size: may), one node
+            fp8 (scaled_mm)           -> where fp8 may run it (_fp8.fits, a symbolic size as 16), one node
                                          calling the kernels' rule (_fp8.scaled_call), which decides when
                                          it runs; else as lower_precision_fp
         copy the node; compute its fake value from its new inputs
@@ -141,12 +141,18 @@ class _Rewrite:
             )
 
     def _may_run_fp8(self, target: Any, args: Any, kwargs: Any, device: str) -> bool:
-        """Whether the call may run in fp8: ``_fp8.fit`` on its fake values; a call with a symbolic size may too
-        (its node decides when it runs, as the kernels do)."""
-        vals, kwarg_vals = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (args, kwargs))
-        tensors = [v for v in pytree.tree_leaves((vals, kwarg_vals)) if isinstance(v, torch.Tensor)]
-        if any(isinstance(size, torch.SymInt) for t in tensors for size in t.shape):
-            return True
+        """Whether the call may run in fp8: ``_fp8.fit`` on its fake values, each symbolic size taken as 16. A
+        call that fits so fits whenever its symbolic sizes are multiples of 16 (its node decides when it runs,
+        as the kernels do); one that does not never fits, whatever they are (only sizes can depend on them)."""
+
+        def aligned(value: Any) -> Any:
+            if not isinstance(value, torch.Tensor) or not any(isinstance(s, torch.SymInt) for s in value.shape):
+                return value
+            shape = [_fp8.ALIGNMENT if isinstance(s, torch.SymInt) else s for s in value.shape]
+            with self.casts.fake_mode:
+                return torch.empty(shape, dtype=value.dtype, device=value.device)
+
+        vals, kwarg_vals = pytree.tree_map_only(fx.Node, lambda n: aligned(n.meta.get("val")), (args, kwargs))
         return _fp8.fits(target, vals, kwarg_vals, device)
 
     def _inline(self, node: fx.Node, target: Any, args: Any, kwargs: Any, depth: int) -> fx.Node | None:

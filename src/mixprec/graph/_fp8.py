@@ -5,7 +5,7 @@ which runs the call's three GEMMs in fp8 under the recipe (``engine._fp8``: quan
 GEMMs through ``torch._scaled_mm``, a weight quantised once per step) with its output in ``dtype``, or casts it
 to ``dtype`` where fp8 cannot run it. Deciding when the node runs, as the kernels decide per call, keeps a graph
 with a dynamic dimension equal to eager: a batch that is not a multiple of 16 falls back there as it does here.
-The recipe travels as its fields (a dict of plain values), so the graph's code prints and pickles."""
+The recipe travels as its fields (a dict of plain values), so the graph's code prints as Python that runs."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ import torch
 from mixprec.engine import _fp8 as engine_fp8
 from mixprec.engine import _rules
 from mixprec.policies._recipe import Fp8Recipe
+
+#: fp8's size rule: every GEMM dimension a multiple of this.
+ALIGNMENT = engine_fp8.ALIGNMENT
 
 
 def recipe_fields(recipe: Fp8Recipe) -> dict[str, Any]:
@@ -30,7 +33,11 @@ def fits(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: st
 
 
 def scaled_call(
-    op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str, dtype: torch.dtype,
+    op: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device_type: str,
+    dtype: torch.dtype,
     recipe: dict[str, Any],
 ) -> Any:
     """``op(*args, **kwargs)`` as an op of an fp8 category runs it in a region of ``dtype`` on ``device_type``
