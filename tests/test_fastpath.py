@@ -62,6 +62,22 @@ def test_the_extension_builds_on_this_torch():
         assert _fastpath.disabled_reason() is None
 
 
+def test_registering_the_kernels_prints_no_override_warning():
+    """torch warns (from C++, to stderr) when a kernel at a key is overridden; putting mixprec's kernels there is
+    the point, so neither the Python registration nor the C++ kernel on top of it may show it to users."""
+    code = (
+        "import torch, mixprec\n"
+        "from mixprec.engine import _fastpath\n"
+        "with mixprec.autocast('cpu', policy=mixprec.policies.CPU.with_ops(fp32=['gelu'])):\n"
+        "    torch.nn.functional.gelu(torch.randn(4))\n"
+        "print(_fastpath.counts()[0])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"  # the C++ kernel took the call
+    assert "previously registered kernel" not in done.stderr, done.stderr
+
+
 #: A process loading the extension in a directory: it holds the load's OS lock and torch's ``lock`` file (as
 #: torch's build does) for argv[2] seconds, then lets both go.
 _LOADER = """

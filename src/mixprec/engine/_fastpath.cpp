@@ -303,6 +303,16 @@ struct Kernel final : c10::OperatorKernel {
   c10::SafeKernelFunction python;
 };
 
+// Drops the warning torch gives when a kernel at a key is overridden (putting one on top is what ``attach`` is
+// for, and the Python registration below it filters the same warning); passes any other on.
+struct OverrideWarningFilter : c10::WarningHandler {
+  explicit OverrideWarningFilter(c10::WarningHandler* next) : next(next) {}
+  void process(const c10::Warning& warning) override {
+    if (warning.msg().find("previously registered kernel") == std::string::npos) next->process(warning);
+  }
+  c10::WarningHandler* next;
+};
+
 // One overload's C++ kernel, registered on top of its Python kernel; dropping it takes the C++ kernel away.
 struct Registration {
   std::unique_ptr<torch::Library> library;
@@ -322,6 +332,8 @@ std::shared_ptr<Registration> attach(const std::string& name, const std::string&
   auto reg = std::make_shared<Registration>();
   reg->library = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__, __LINE__);
   const std::string full = overload.empty() || overload == "default" ? bare : bare + "." + overload;
+  OverrideWarningFilter filter(c10::WarningUtils::get_warning_handler());
+  c10::WarningUtils::WarningHandlerGuard quiet(&filter);
   reg->library->impl(full.c_str(),
                      torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Kernel>(
                          number, static_cast<size_t>(slot), c10::Device(device).type(), key, std::move(python))));
