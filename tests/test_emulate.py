@@ -16,6 +16,7 @@ random shapes (hypothesis). Dtypes must match exactly.
 
 from __future__ import annotations
 
+import contextlib
 import copy as copy_module
 import os
 import subprocess
@@ -529,3 +530,30 @@ def test_gpt2_training_follows_native(dtype: str) -> None:
     assert native[-1] < 0.8 * native[0]  # it learned something
     for n, e in zip(native, emulated, strict=True):
         assert e == pytest.approx(n, rel=0.01)
+
+
+@pytest.mark.parametrize("where", ["around", "inside"])
+def test_torch_func_transforms_in_an_emulated_region_give_torch_autocasts_results(where: str) -> None:
+    """torch.func's grad and per-sample grads (vmap of grad), with the region around the transform or inside the
+    transformed function. An autograd Function cannot run below the transforms' layer (torch's
+    custom_function_call), so there the ops compute as native's do; before, the emulated kernels failed there,
+    and ``compute="auto"`` emulates on a CPU without bf16 units."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    x, y = torch.randn(6, 16), torch.randn(6, 8)
+
+    def results(region: Callable[[], Any]) -> list[Any]:
+        def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            with region() if where == "inside" else contextlib.nullcontext():
+                return F.mse_loss(torch.func.functional_call(model, p, (x,)).float(), y)
+
+        with region() if where == "around" else contextlib.nullcontext():
+            whole = torch.func.grad(loss)(params, x, y)
+            per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, 0))(params, x[:, None], y[:, None])
+        return [*whole.values(), *per_sample.values()]
+
+    native = results(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    ours = results(lambda: mixprec.autocast("cpu", compute="emulated"))
+    assert all(a.dtype is b.dtype and torch.equal(a, b) for a, b in zip(native, ours, strict=True))
+    assert all(g.abs().sum() > 0 for g in ours)

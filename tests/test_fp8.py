@@ -390,6 +390,24 @@ def test_a_frozen_weight_or_a_data_input_costs_one_backward_gemm_with_the_same_g
     assert len(calls) == 2 and data[0] is None and torch.equal(data[1], every[1]) and torch.equal(data[2], every[2])
 
 
+def test_fp8_under_a_torch_func_transform_is_refused_with_what_to_do():
+    """torch.func runs an autograd Function only at its own layer, above the autocast kernels, where fp8's GEMMs
+    cannot be one; before, torch's error spoke of a setup_context method the user never wrote."""
+    torch.manual_seed(0)
+    net, x = torch.nn.Linear(64, 32), torch.randn(32, 64)
+
+    def loss(params):
+        with _region():
+            return torch.func.functional_call(net, params, (x,)).float().sum()
+
+    params = {name: p.detach() for name, p in net.named_parameters()}
+    with pytest.raises(NotImplementedError, match=r"aten::\w+ cannot run in fp8 under a torch.func transform.*"
+                       r"Call the transform outside the fp8 region"):  # fmt: skip
+        torch.func.grad(loss)(params)
+    with _region(policy=FP8.with_ops(lower_precision_fp=["linear", "mm", "addmm", "matmul"])):  # the fix it names
+        torch.func.grad(lambda p: torch.func.functional_call(net, p, (x,)).float().sum())(params)
+
+
 def test_a_module_policy_keeps_a_layer_out_of_fp8():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))

@@ -259,6 +259,12 @@ def allow_in_graph(function: Callable[..., Any]) -> None:
     torch._dynamo.allow_in_graph(function)
 
 
+#: ``torch._C._are_functorch_transforms_active()``: whether a torch.func transform (grad, vmap, jacrev, ...) is
+#: running. An autograd Function called then goes to torch's ``custom_function_call``, which runs only at the
+#: transforms' own layer, above the Autocast keys: a kernel there cannot apply one.
+functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
+
 def dynamo_tracing() -> bool:
     """Whether dynamo is tracing the calling code (``torch.compiler.is_dynamo_compiling``). Code it traces must
     not call ``hash`` on a tuple: dynamo 2.10 to 2.12 cannot trace that builtin ("Failed to trace builtin

@@ -280,6 +280,8 @@ def call(
     """
     if _compat.tracing():
         return _traced(low, func, args, kwargs)
+    if _compat.functorch_active():  # (no autograd Function below torch.func's transforms: the op as native runs it)
+        return func(*args, **kwargs)
     with _computing():
         return _eager(low, func, (args, kwargs), original)
 

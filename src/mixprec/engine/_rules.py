@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _compat
+from mixprec import _compat, _errors
 from mixprec.engine import _cast, _emulate, _fp8, _plan
 from mixprec.policies import Category
 from mixprec.policies._category import Action
@@ -161,6 +161,16 @@ def run_scaled(
     decide at run time as the kernels do."""
     found = _fp8.as_linear(op, args, kwargs, device)
     if found is not None:
+        if _compat.functorch_active():
+            raise NotImplementedError(
+                _errors.message(
+                    f"{op.name()} cannot run in fp8 under a torch.func transform (grad, vmap, jacrev, ...)",
+                    "fp8's GEMMs are an autograd Function, which torch.func runs only at its own layer, above the "
+                    "autocast kernels",
+                    fix="Call the transform outside the fp8 region, or run these ops in the region's dtype for it "
+                    "(policy.with_ops(lower_precision_fp=[...]) or a module policy).",
+                )
+            )
         x, weight, bias, source = found
         return _fp8.linear(x, weight, bias, recipe, dtype, source)
     cast, cast_kwargs = _cast.cast_call(args, kwargs, dtype, device, cached)
