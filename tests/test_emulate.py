@@ -557,3 +557,22 @@ def test_torch_func_transforms_in_an_emulated_region_give_torch_autocasts_result
     ours = results(lambda: mixprec.autocast("cpu", compute="emulated"))
     assert all(a.dtype is b.dtype and torch.equal(a, b) for a, b in zip(native, ours, strict=True))
     assert all(g.abs().sum() > 0 for g in ours)
+
+
+def test_forward_mode_ad_in_an_emulated_region_gives_torch_autocasts_primal_and_tangent() -> None:
+    """The emulated ops' autograd Functions have no jvp; under a ``dual_level`` they compute as native's do
+    (before, they failed: "You must implement the jvp function")."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    x, tangent = torch.randn(4, 16), torch.randn(4, 16)
+
+    def run(region: Callable[[], Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        with fwAD.dual_level(), region():
+            primal, out_tangent = fwAD.unpack_dual(model(fwAD.make_dual(x, tangent)))
+        return primal, out_tangent
+
+    native = run(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    ours = run(lambda: mixprec.autocast("cpu", compute="emulated"))
+    assert all(a.dtype is b.dtype is torch.bfloat16 and torch.equal(a, b) for a, b in zip(native, ours, strict=True))

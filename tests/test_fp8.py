@@ -390,7 +390,7 @@ def test_a_frozen_weight_or_a_data_input_costs_one_backward_gemm_with_the_same_g
     assert len(calls) == 2 and data[0] is None and torch.equal(data[1], every[1]) and torch.equal(data[2], every[2])
 
 
-def test_fp8_under_a_torch_func_transform_is_refused_with_what_to_do():
+def test_fp8_under_a_torch_func_transform_or_forward_ad_is_refused_with_what_to_do():
     """torch.func runs an autograd Function only at its own layer, above the autocast kernels, where fp8's GEMMs
     cannot be one; before, torch's error spoke of a setup_context method the user never wrote."""
     torch.manual_seed(0)
@@ -402,10 +402,15 @@ def test_fp8_under_a_torch_func_transform_is_refused_with_what_to_do():
 
     params = {name: p.detach() for name, p in net.named_parameters()}
     with pytest.raises(NotImplementedError, match=r"aten::\w+ cannot run in fp8 under a torch.func transform.*"
-                       r"Call the transform outside the fp8 region"):  # fmt: skip
+                       r"Call the transform or the forward-mode AD outside the fp8 region"):  # fmt: skip
         torch.func.grad(loss)(params)
     with _region(policy=FP8.with_ops(lower_precision_fp=["linear", "mm", "addmm", "matmul"])):  # the fix it names
         torch.func.grad(lambda p: torch.func.functional_call(net, p, (x,)).float().sum())(params)
+    import torch.autograd.forward_ad as fwAD
+
+    refused = pytest.raises(NotImplementedError, match=r"cannot run in fp8 under forward-mode AD")
+    with fwAD.dual_level(), _region(), refused:  # (and forward-mode AD: the Function has no jvp)
+        net(fwAD.make_dual(x, torch.randn_like(x)))
 
 
 def test_a_module_policy_keeps_a_layer_out_of_fp8():

@@ -259,10 +259,19 @@ def allow_in_graph(function: Callable[..., Any]) -> None:
     torch._dynamo.allow_in_graph(function)
 
 
-#: ``torch._C._are_functorch_transforms_active()``: whether a torch.func transform (grad, vmap, jacrev, ...) is
-#: running. An autograd Function called then goes to torch's ``custom_function_call``, which runs only at the
-#: transforms' own layer, above the Autocast keys: a kernel there cannot apply one.
-functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+def no_autograd_function() -> str | None:
+    """Why a kernel cannot apply a custom autograd Function now, or None where it can:
+
+    * a torch.func transform (grad, vmap, jacrev, ...) is running (``torch._C._are_functorch_transforms_active``):
+      a Function goes to torch's ``custom_function_call`` then, which runs only at the transforms' own layer,
+      above the Autocast keys;
+    * forward-mode AD is on (``torch.autograd.forward_ad._current_level``, -1 outside ``dual_level``): a
+      Function needs a ``jvp`` for dual inputs."""
+    if torch._C._are_functorch_transforms_active():
+        return "a torch.func transform (grad, vmap, jacrev, ...)"
+    if torch.autograd.forward_ad._current_level >= 0:
+        return "forward-mode AD (torch.autograd.forward_ad)"
+    return None
 
 
 def dynamo_tracing() -> bool:

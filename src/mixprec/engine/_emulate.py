@@ -280,7 +280,7 @@ def call(
     """
     if _compat.tracing():
         return _traced(low, func, args, kwargs)
-    if _compat.functorch_active():  # (no autograd Function below torch.func's transforms: the op as native runs it)
+    if _compat.no_autograd_function() is not None:  # (torch.func, forward AD): the op as native runs it
         return func(*args, **kwargs)
     with _computing():
         return _eager(low, func, (args, kwargs), original)

@@ -161,14 +161,15 @@ def run_scaled(
     decide at run time as the kernels do."""
     found = _fp8.as_linear(op, args, kwargs, device)
     if found is not None:
-        if _compat.functorch_active():
+        unavailable = _compat.no_autograd_function()
+        if unavailable is not None:
             raise NotImplementedError(
                 _errors.message(
-                    f"{op.name()} cannot run in fp8 under a torch.func transform (grad, vmap, jacrev, ...)",
+                    f"{op.name()} cannot run in fp8 under {unavailable}",
                     "fp8's GEMMs are an autograd Function, which torch.func runs only at its own layer, above the "
-                    "autocast kernels",
-                    fix="Call the transform outside the fp8 region, or run these ops in the region's dtype for it "
-                    "(policy.with_ops(lower_precision_fp=[...]) or a module policy).",
+                    "autocast kernels, and which has no forward-mode derivative",
+                    fix="Call the transform or the forward-mode AD outside the fp8 region, or run these ops in the "
+                    "region's dtype for it (policy.with_ops(lower_precision_fp=[...]) or a module policy).",
                 )
             )
         x, weight, bias, source = found
