@@ -232,6 +232,11 @@ def test_policies_copy_and_pickle_as_values():
     assert copy.deepcopy(policy) is policy
     again = pickle.loads(pickle.dumps(policy))
     assert again == policy and _under(again, torch.mm, _x(2, 2, dtype=bf16), _x(2, 2, dtype=bf16)).dtype is f32
+    # with its fp8 recipe (a policy handed to spawned workers, as DDP's mp.spawn does; it was lost before)
+    for recipe in ({"scaling": "delayed", "history": 4}, {"scaling": "rowwise", "power_of_2": True}):
+        fp8 = mixprec.policies.FP8.with_fp8_recipe(**recipe)
+        again = pickle.loads(pickle.dumps(fp8))
+        assert again == fp8 and again.fp8_recipe == fp8.fp8_recipe != mixprec.policies.FP8.fp8_recipe
 
 
 # --- custom ops: torch.library.custom_op and torch.library.Library -----------------------------------------

@@ -289,7 +289,7 @@ class Policy:
         return self
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self.name, dict(self.table), self.base))
+        return (_rebuild, (self.name, dict(self.table), self.base, self.fp8))
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Policy):
@@ -344,8 +344,8 @@ def _check_fields(name: object, table: object, base: object) -> None:
         )
 
 
-def _rebuild(name: str, table: dict[str, Category], base: str | None) -> Policy:
-    return Policy(name, types.MappingProxyType(table), base)
+def _rebuild(name: str, table: dict[str, Category], base: str | None, fp8: Fp8Recipe | None = None) -> Policy:
+    return Policy(name, types.MappingProxyType(table), base, fp8)
 
 
 def _value(category: Category | None) -> str | None:
