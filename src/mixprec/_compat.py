@@ -486,10 +486,9 @@ def scaled_mm(
     The CPU product is a float32 matmul even inside an enabled CPU autocast region (a backward called there,
     where no autocast kernel has excluded the key): autocast would run it in the region's dtype."""
     if a.device.type == "cpu":
-        if torch.is_autocast_enabled("cpu"):  # a backward called inside a CPU region: keep the product float32
-            with torch.autocast("cpu", enabled=False):
-                return (a.float() @ b.float() * scale_a * scale_b).to(out_dtype)
-        return (a.float() @ b.float() * scale_a * scale_b).to(out_dtype)
+        # (a backward called inside a CPU region: keep the product float32)
+        with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext():
+            return (a.float() @ b.float() * scale_a * scale_b).to(out_dtype)
     if (scale_a.numel() != 1 or scale_b.numel() != 1) and out_dtype not in (torch.bfloat16, torch.float16):
         product = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
         return product.to(out_dtype)

@@ -27,6 +27,7 @@ multiples of 16, and at most one e5m2 operand; on CPU it takes more. Every devic
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable
@@ -111,10 +112,8 @@ def quantise_weight(
     filled = 0 if site is None else site.filled
     if found is not None and found[0]() is source and found[1] == now and found[3] is site and found[4] == filled:
         return found[2]
-    if torch.is_inference_mode_enabled():  # a normal tensor: a differentiable call later in the step saves it
-        with torch.inference_mode(False):
-            out = quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
-    else:
+    # (a normal tensor under inference_mode: a differentiable call later in the step saves it)
+    with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
         out = quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
 
     def forget(_: object) -> None:

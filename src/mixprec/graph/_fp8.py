@@ -9,6 +9,7 @@ The recipe travels as its fields (a dict of plain values), so the graph's code p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -43,8 +44,6 @@ def scaled_call(
     """``op(*args, **kwargs)`` as an op of an fp8 category runs it in a region of ``dtype`` on ``device_type``
     under the recipe with these fields. Autocast is off for the call, as below an autocast kernel: a graph run
     inside a region would otherwise cast what stands for ``_scaled_mm`` on CPU, or the fallback's op, again."""
-    made = Fp8Recipe(**recipe)
-    if torch.is_autocast_enabled(device_type):
-        with torch.autocast(device_type, enabled=False):
-            return _rules.run_scaled(op, device_type, dtype, made, args, kwargs, cached=False)
-    return _rules.run_scaled(op, device_type, dtype, made, args, kwargs, cached=False)
+    off = torch.is_autocast_enabled(device_type)
+    with torch.autocast(device_type, enabled=False) if off else contextlib.nullcontext():
+        return _rules.run_scaled(op, device_type, dtype, Fp8Recipe(**recipe), args, kwargs, cached=False)
