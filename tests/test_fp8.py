@@ -9,6 +9,7 @@ recipe, with saturation and all-zero inputs, and CUDA's size and layout rules ar
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import pytest
 import torch
@@ -893,6 +894,42 @@ def test_weights_that_are_views_of_one_buffer_keep_histories_of_their_own():
     for w, out in zip((small, large), outs, strict=True):  # each scaled by its own amax (the first step)
         assert torch.equal(out, _fp8.linear(x, w.clone(), None, Fp8Recipe(), torch.float32))
     assert len(_amax._sites) == 2
+    engine.reset()
+
+
+def test_a_weight_computed_in_each_step_says_delayed_scaling_falls_back_to_dynamic():
+    """A parametrized weight (weight_norm) is a new tensor at every call: no history can follow it, so its site
+    scales dynamically, as tensorwise does, and says so once, at the user's line, instead of silently."""
+
+    def train(recipe_policy):  # type: ignore[no-untyped-def]
+        engine.reset()
+        torch.manual_seed(0)
+        net = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(64, 48))
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        seen = []
+        for r in (1.0, 3.0, 0.5):
+            with _region(policy=recipe_policy):
+                loss = net(torch.randn(32, 64) * r).float().pow(2).mean()
+            loss.backward()
+            seen += [loss.detach(), *(p.grad.clone() for p in net.parameters())]
+            opt.step()
+            opt.zero_grad()
+        return seen
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        delayed = train(FP8.with_fp8_recipe(scaling="delayed", history=2))
+    fell_back = [w for w in caught if "delayed scaling fell back to dynamic" in str(w.message)]
+    assert fell_back and all(w.filename == __file__ for w in fell_back), [(w.filename, w.message) for w in caught]
+    assert not _amax._sites  # nothing kept per call
+    assert all(torch.equal(a, b) for a, b in zip(delayed, train(FP8), strict=True))
+    with warnings.catch_warnings():  # a plain weight keeps its history and says nothing
+        warnings.simplefilter("error")
+        torch.manual_seed(0)
+        plain = torch.nn.Linear(64, 48)
+        with _region(policy=FP8.with_fp8_recipe(scaling="delayed", history=2)):
+            plain(torch.randn(32, 64)).float().sum().backward()
+    assert len(_amax._sites) == 1
     engine.reset()
 
 

@@ -55,19 +55,25 @@ def message(
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-def _user_stacklevel() -> int:
-    """The stacklevel of the first frame outside mixprec, counted from ``warn``'s caller."""
+def _user_stacklevel(skip: tuple[str, ...]) -> int:
+    """The stacklevel of the first frame outside ``skip``'s directories, counted from ``warn``'s caller."""
     frame: FrameType | None = sys._getframe(2)
     level = 2
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
         level += 1
     return level
 
 
-def warn(text: str, category: type[MixprecWarning] = MixprecWarning) -> None:
-    """Emit a mixprec warning attributed to the user's line (the first frame outside mixprec)."""
-    warnings.warn(text, category, stacklevel=_user_stacklevel())
+def warn(text: str, category: type[MixprecWarning] = MixprecWarning, *, past_torch: bool = False) -> None:
+    """Emit a mixprec warning attributed to the user's line: the first frame outside mixprec (and, with
+    ``past_torch``, outside torch too, for a warning raised in a kernel that torch's code called)."""
+    skip: tuple[str, ...] = (_PACKAGE_DIR,)
+    if past_torch:
+        import torch  # (mixprec's warnings are raised with torch imported; this module itself does not need it)
+
+        skip += (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,)
+    warnings.warn(text, category, stacklevel=_user_stacklevel(skip))
 
 
 def check_type(name: str, value: object, expected: type, *, optional: bool = False, what: str = "autocast") -> None:

@@ -20,7 +20,9 @@ The only collective is the roll's, once per site and step, at the site's first c
 where every rank calls the sites in the same order): none runs in backward, beside DDP's and FSDP's own.
 Within a step the scales do not move, so a checkpoint's recompute (in the same step) quantises exactly as
 the forward did: gradients with checkpointing equal those without it. A weight that never changes (frozen)
-stays on the dynamic scale. Delayed scaling runs eagerly only: a compiled graph cannot carry the history.
+stays on the dynamic scale, and so, with a warning, does a weight that autograd computes in each step (a
+parametrization's): it is a new tensor at every call, with no history. Delayed scaling runs
+eagerly only: a compiled graph cannot carry the history.
 ``AmaxHistory(model).state_dict()`` holds plain tensors, by parameter name, that ``torch.load(...,
 weights_only=True)`` reads back.
 """
@@ -98,8 +100,9 @@ _sites: dict[int, Site] = {}
 _groups: dict[int, Any] = {}
 
 
-def site(weight: torch.Tensor, steps: int) -> Site:
-    """The weight's site (made on first use), rolled to the weight's current version."""
+def site(weight: torch.Tensor, steps: int) -> Site | None:
+    """The weight's site (made on first use), rolled to the weight's current version; None for a weight computed
+    by the step's autograd graph (``computed``), which is scaled dynamically."""
     if _compat.tracing():
         raise NotImplementedError(
             _errors.message(
@@ -115,6 +118,9 @@ def site(weight: torch.Tensor, steps: int) -> Site:
             return site(weight, steps)
     found = _sites.get(id(weight))
     if found is None or found.weight() is not weight:
+        if weight.grad_fn is not None:
+            computed()
+            return None
         found = _make(weight, steps, stamp(weight))
     elif found.history.shape[1] != steps:
         raise ValueError(
@@ -128,6 +134,21 @@ def site(weight: torch.Tensor, steps: int) -> Site:
         )
     found.roll(stamp(weight))
     return found
+
+
+def computed() -> None:
+    """Warn that a call site's weight is made anew in each step, so it has no history to scale by."""
+    _errors.warn(
+        _errors.message(
+            "fp8 delayed scaling fell back to dynamic scaling at a call site",
+            "its weight is computed by autograd in each step (a parametrization such as weight_norm, or an "
+            "activation as a matmul's second operand), so no amax history "
+            "can follow it from step to step; that site scales by each tensor's own amax",
+            fix="To silence this, give those layers a policy with scaling='tensorwise' (set_module_policy), or "
+            "keep them out of fp8.",
+        ),
+        past_torch=True,
+    )
 
 
 def _make(weight: torch.Tensor, steps: int, version: tuple[int, int]) -> Site:
