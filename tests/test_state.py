@@ -42,6 +42,51 @@ def test_default_dtype_per_device(device, dtype):
     assert mixprec.get_autocast_dtype(device) is dtype
 
 
+@pytest.mark.parametrize("device", ["hpu", "xla", "maia", "mtia", "ipu"])
+def test_a_device_the_references_do_not_cover_defaults_to_torchs_dtype(device):
+    """Where no AMP reference names a default, mixprec takes torch's (HPU's is bfloat16, not float16): a thread
+    of its own reads torch's initial state, which no region here has moved."""
+    seen: list[torch.dtype] = []
+    reader = threading.Thread(target=lambda: seen.append(torch.get_autocast_dtype(device)))
+    reader.start()
+    reader.join()
+    assert mixprec.get_autocast_dtype(device) is seen[0]
+
+
+def test_a_region_without_dtype_takes_the_dtype_in_force_as_torch_autocast():
+    """``dtype=None`` is the autocast dtype in force when the region is made (torch.autocast's rule): an
+    enclosing region's, kept by an ``enabled=False`` sub-region for a library's ``torch.autocast`` inside it,
+    or ``torch.set_autocast_dtype``'s; outside any region, the device's default."""
+    x = torch.randn(4, 4)
+
+    def observe(make):  # type: ignore[no-untyped-def]
+        seen = []
+        with make("cpu", dtype=torch.float16):
+            with make("cpu"):
+                seen.append(torch.mm(x, x).dtype)
+            with make("cpu", enabled=False):
+                seen.append(torch.get_autocast_dtype("cpu"))
+                with torch.autocast("cpu"):
+                    seen.append(torch.mm(x, x).dtype)
+            made_inside = make("cpu")
+        with made_inside:  # (read when it was made)
+            seen.append(torch.mm(x, x).dtype)
+        with make("cpu"):
+            seen.append(torch.mm(x, x).dtype)
+        torch.set_autocast_dtype("cpu", torch.float16)
+        try:
+            with make("cpu"):
+                seen.append(torch.mm(x, x).dtype)
+            seen.append(mixprec.get_autocast_dtype("cpu"))
+        finally:
+            torch.set_autocast_dtype("cpu", torch.bfloat16)
+        return seen
+
+    native = observe(torch.autocast)
+    assert native == [torch.float16] * 4 + [torch.bfloat16] + [torch.float16] * 2
+    assert observe(mixprec.autocast) == native
+
+
 def test_enabled_false_subregion_and_reentry():
     with mixprec.autocast("cpu"):
         assert mm_dtype() is torch.bfloat16

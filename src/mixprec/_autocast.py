@@ -33,6 +33,7 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling  # one Python frame, wher
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
 _is_cached = torch.is_autocast_cache_enabled
 _holders = _state.holders
+_DEVICES, _in_force = _devices.DEVICES, _devices.dtype_in_force
 _NO_OPS: frozenset[str] = frozenset()
 
 
@@ -67,7 +68,9 @@ class _Made(type):
             cache = _is_cached() if cache_enabled is None else cache_enabled
             if type(cache) is bool:
                 try:
-                    found = _made.get((device_type, dtype, cache, compute, policy))
+                    # (dtype=None: the dtype in force now, as __init__ reads it; an unknown device: __init__'s error)
+                    fast = dtype if dtype is not None or device_type not in _DEVICES else _in_force(device_type)
+                    found = _made.get((device_type, fast, cache, compute, policy))
                 except TypeError:  # an unhashable argument: refused by __init__
                     found = None
                 if found is not None:
@@ -96,8 +99,11 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
 
     Args:
         device_type: ``"cpu"``, ``"cuda"``, ``"xpu"``, ... (see ``mixprec.engine._devices``).
-        dtype: The lower-precision dtype; defaults to the device's
-            (cpu: bfloat16, cuda: float16, xpu: bfloat16, others: float16).
+        dtype: The lower-precision dtype. None (default): the autocast dtype
+            in force when the region is made, as ``torch.autocast`` reads it
+            (an enclosing region's, or ``torch.set_autocast_dtype``'s); outside
+            any region the device's default (cpu: bfloat16, cuda: float16,
+            xpu: bfloat16, others: torch's).
         enabled: Whether autocast is on in the region.
         cache_enabled: Reuse the low-precision copy of each weight within the
             outermost region. None (default): torch's current setting, as
@@ -171,7 +177,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         _errors.check_type("enabled", enabled, bool)
         _errors.check_type("cache_enabled", cache_enabled, bool, optional=True)
         _errors.check_type("policy", policy, Policy, optional=True)
-        self.fast_dtype = spec.default_dtype if dtype is None else dtype
+        self.fast_dtype = _devices.dtype_in_force(device_type) if dtype is None else dtype
         self._cache_enabled = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
         self._enabled = enabled and _devices.usable(spec, self.fast_dtype)
         _compute.check_compute(compute)
@@ -186,7 +192,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             self._native_only = chosen == default and not self._emulate and not self._emulate_ops
             self._plain = self._native_only and self._setting.derived.get("ready") is _kernels.generation
             if type(self) is autocast:  # (a subclass makes its own: _Subclass)
-                _made.put((device_type, dtype, self._cache_enabled, compute, policy), self)
+                _made.put((device_type, self.fast_dtype, self._cache_enabled, compute, policy), self)
 
     def _decide_compute(self) -> None:
         """Whether the region emulates its lower_precision_fp ops, and which ones it emulates regardless."""
@@ -426,11 +432,9 @@ def is_autocast_enabled(device_type: str) -> bool:
 
 
 def get_autocast_dtype(device_type: str) -> torch.dtype:
-    """The autocast dtype in force for ``device_type`` (torch's state; its default outside any region)."""
-    spec = _devices.spec(device_type)
-    if not _state.get().frames and not torch.is_autocast_enabled(device_type):
-        return spec.default_dtype
-    return torch.get_autocast_dtype(device_type)
+    """The autocast dtype in force for ``device_type`` (torch's state), which a region made now with no ``dtype``
+    takes."""
+    return _devices.dtype_in_force(device_type)
 
 
 def get_policy(device_type: str) -> Policy:

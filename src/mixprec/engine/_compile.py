@@ -166,7 +166,7 @@ def plan(
                 fix="Build the policy outside the compiled function (e.g. at module level) and pass it in.",
             )
         )
-    fast = spec.default_dtype if dtype is None else dtype
+    fast = _devices.dtype_in_force(device_type) if dtype is None else dtype
     if not (enabled and _devices.usable(spec, fast)):
         return (_compat.returns_torch_autocast(), fast, False, cache_enabled, 0)
     state = _state.get()

@@ -6,6 +6,7 @@ Code that needs a device's dtypes or its default policy reads them here.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 
 import torch
@@ -26,15 +27,42 @@ def _backend_available(name: str) -> Callable[[], bool]:
     return available
 
 
+#: torch's initial autocast dtype per device type (its state is per thread: read once, in a new thread).
+_torch_initial: dict[str, torch.dtype] = {}
+
+
+def torch_initial_dtype(device_type: str) -> torch.dtype | None:
+    """The autocast dtype torch starts each thread with for the device type (None if torch has no state
+    for it)."""
+    if not _torch_initial:
+        def read() -> None:
+            for name in DEVICES:
+                if torch_knows(name):
+                    _torch_initial[name] = torch.get_autocast_dtype(name)
+
+        reader = threading.Thread(target=read, name="mixprec-read-autocast-defaults")
+        reader.start()
+        reader.join()
+    return _torch_initial.get(device_type)
+
+
 @dataclasses.dataclass(frozen=True)
 class DeviceSpec:
     """What autocast does on one device type."""
 
     name: str
-    default_dtype: torch.dtype
+    documented_dtype: torch.dtype | None  # the AMP references' default; None: torch's (``torch_initial_dtype``)
     supported_dtypes: tuple[torch.dtype, ...]
     policy: str  # attribute name in mixprec.policies
     available: Callable[[], bool]
+
+    @property
+    def default_dtype(self) -> torch.dtype:
+        """The dtype of a region made with no ``dtype`` outside any region: the references' where they name
+        one (CPU and XPU bfloat16, CUDA float16), else torch's (float16 where torch has no state)."""
+        if self.documented_dtype is not None:
+            return self.documented_dtype
+        return torch_initial_dtype(self.name) or torch.float16
 
 
 #: The lower-precision dtypes a region can run in: the one place that lists them (the FX pass, the doctor's
@@ -48,12 +76,12 @@ DEVICES: dict[str, DeviceSpec] = {
         DeviceSpec("cpu", torch.bfloat16, (torch.bfloat16, torch.float16), "CPU", _always),
         DeviceSpec("cuda", torch.float16, _LOW, "CUDA", _backend_available("cuda")),
         DeviceSpec("xpu", torch.bfloat16, (torch.bfloat16, torch.float16), "XPU", _backend_available("xpu")),
-        DeviceSpec("mps", torch.float16, _LOW, "CUDA", _backend_available("mps")),
-        DeviceSpec("mtia", torch.float16, _LOW, "CUDA", _backend_available("mtia")),
-        DeviceSpec("maia", torch.float16, _LOW, "CUDA", _backend_available("maia")),
-        DeviceSpec("hpu", torch.float16, _LOW, "CUDA", _backend_available("hpu")),
-        DeviceSpec("xla", torch.float16, _LOW, "CUDA", _always),
-        DeviceSpec("ipu", torch.float16, _LOW, "CUDA", _always),
+        DeviceSpec("mps", None, _LOW, "CUDA", _backend_available("mps")),
+        DeviceSpec("mtia", None, _LOW, "CUDA", _backend_available("mtia")),
+        DeviceSpec("maia", None, _LOW, "CUDA", _backend_available("maia")),
+        DeviceSpec("hpu", None, _LOW, "CUDA", _backend_available("hpu")),
+        DeviceSpec("xla", None, _LOW, "CUDA", _always),
+        DeviceSpec("ipu", None, _LOW, "CUDA", _always),
     )
 }
 
@@ -134,6 +162,25 @@ def usable(found: DeviceSpec, dtype: torch.dtype) -> bool:
         )
         return False
     return True
+
+
+def dtype_in_force(device_type: str) -> torch.dtype:
+    """What ``dtype=None`` means for a region made now, as ``torch.autocast`` reads it: the autocast dtype in
+    force for the device (an enclosing region's, or ``torch.set_autocast_dtype``'s). Outside any region, torch's
+    initial value stands for the device's default (``default_dtype``: the XPU guide's bfloat16 where torch
+    starts XPU at float16)."""
+    found = spec(device_type)
+    if not torch_knows(device_type):
+        return found.default_dtype
+    current: torch.dtype = torch.get_autocast_dtype(device_type)
+    if (
+        current is not found.documented_dtype
+        and found.documented_dtype is not None
+        and not torch.is_autocast_enabled(device_type)
+        and current is torch_initial_dtype(device_type)
+    ):
+        return found.documented_dtype
+    return current
 
 
 def enabled() -> list[str]:
