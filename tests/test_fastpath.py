@@ -176,20 +176,43 @@ def test_a_training_step_equals_the_python_kernels_bit_for_bit(region):
     _same(grads, python_grads)
 
 
-def _cache(region: str) -> _cast.Cache:
-    return _cast.thread_cache() if region == "mixprec.autocast" else _cast._torch_cache  # (see _cast)
+#: Regions whose weights' casts the fast path keeps: the ``linear`` of a region run as native goes through the
+#: mirror of torch's cache, whatever region it is (``_cast``); ``mv``, which a policy moves to the region's dtype,
+#: through the thread's own cache.
+CACHING = {
+    "mixprec.autocast": (REGIONS["mixprec.autocast"], "mirror"),
+    "torch.autocast": (REGIONS["torch.autocast"], "mirror"),
+    "mixprec policy mv": (
+        lambda: mixprec.autocast("cpu", policy=mixprec.policies.CPU.with_ops(lower_precision_fp=["mv"]),
+                                 compute="native"),
+        "own",
+    ),
+}
 
 
-@pytest.mark.parametrize("region", ["mixprec.autocast", "torch.autocast"])
+def _cache(which: str) -> _cast.Cache:
+    return _cast.thread_cache() if which == "own" else _cast._torch_cache  # (see _cast)
+
+
+def _user(region: str, n: int):  # type: ignore[no-untyped-def]
+    """``(call, its weights)``: a layer's call in ``region``, whose weights its cache keeps."""
+    if CACHING[region][1] == "own":
+        w, v = torch.nn.Parameter(torch.randn(n, n)), torch.randn(n)
+        return (lambda: torch.mv(w, v)), [w]
+    model, x = torch.nn.Linear(n, n), torch.randn(2, n)
+    return (lambda: model(x)), [model.weight, model.bias]
+
+
+@pytest.mark.parametrize("region", list(CACHING))
 def test_the_fast_path_casts_weights_through_the_cache(region):
-    model = torch.nn.Linear(8, 8)
-    x = torch.randn(2, 8)
-    with REGIONS[region]():
-        outs, fast, slow = _counted(lambda: [model(x) for _ in range(3)])
-        entries = _cache(region).entries()
-        assert len(_cache(region)) == 2  # the weight and the bias, once each
-        assert {id(entry[0]) for entry in entries} == {id(model.weight), id(model.bias)}
-    assert fast == 3 and slow == 0 and len(_cache(region)) == 0  # (the region's exit cleared it)
+    make, which = CACHING[region]
+    call, weights = _user(region, 8)
+    with make():
+        outs, fast, slow = _counted(lambda: [call() for _ in range(3)])
+        entries = _cache(which).entries()
+        assert len(_cache(which)) == len(weights)  # each weight once
+        assert {id(entry[0]) for entry in entries} == {id(w) for w in weights}
+    assert fast == 3 and slow == 0 and len(_cache(which)) == 0  # (the region's exit cleared it)
     assert all(out.dtype is torch.bfloat16 for out in outs)
 
 
@@ -380,40 +403,40 @@ def test_eligibility_of_every_dtype_is_the_python_rule(dtype):
     _same(out, expected)
 
 
-@pytest.mark.parametrize("region", ["mixprec.autocast", "torch.autocast"])
+@pytest.mark.parametrize("region", list(CACHING))
 @pytest.mark.parametrize("first", ["python", "c++"])
 def test_both_kinds_of_kernel_share_one_cast_cache(region, first):
     # The weights' casts live in the extension's caches (_cast.use_extension): the cast one kind of kernel kept
     # is the one the other finds, and _cast.cast_weight (the rule, in Python) finds it too.
     if _fastpath.extension() is None:
         pytest.skip(f"no C++ kernels: {_fastpath.disabled_reason()}")
-    model = torch.nn.Linear(4, 4)
-    x = torch.randn(2, 4)
+    make, which = CACHING[region]
+    call, weights = _user(region, 4)
 
     def kept():  # type: ignore[no-untyped-def]
-        return {(id(weight), dtype, version): cast for weight, dtype, version, cast in _cache(region).entries()}
+        return {(id(weight), dtype, version): cast for weight, dtype, version, cast in _cache(which).entries()}
 
     def python_kernels():  # type: ignore[no-untyped-def]
         with _fastpath.suspended():
-            return _counted(lambda: model(x))
+            return _counted(call)
 
     def cpp_kernels():  # type: ignore[no-untyped-def]
-        return _counted(lambda: model(x))
+        return _counted(call)
 
     runs = [python_kernels, cpp_kernels] if first == "python" else [cpp_kernels, python_kernels]
-    with REGIONS[region]():
+    with make():
         out, fast, slow = runs[0]()
         assert (fast, slow) == ((0, 1) if first == "python" else (1, 0))
         casts = kept()
-        assert len(casts) == 2 and all(cast.dtype is torch.bfloat16 for cast in casts.values())
+        assert len(casts) == len(weights) and all(cast.dtype is torch.bfloat16 for cast in casts.values())
         again, fast, slow = runs[1]()
         assert (fast, slow) == ((1, 0) if first == "python" else (0, 1))
         assert kept().keys() == casts.keys() and all(kept()[k] is cast for k, cast in casts.items())
-        found = _cast.cast_weight(model.weight, torch.bfloat16)
+        found = _cast.cast_weight(weights[0], torch.bfloat16, torch_rules=which == "mirror")
         assert any(found is cast for cast in casts.values())
         _same(again, out)
         assert again.grad_fn is not None
-    assert len(_cache(region)) == 0
+    assert len(_cache(which)) == 0
 
 
 @pytest.mark.parametrize("region", list(REGIONS))

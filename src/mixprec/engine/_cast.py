@@ -7,20 +7,27 @@ A ``lower_precision_fp`` cast of a weight (a float32 leaf that requires grad,
 not a view) goes through a cache, as native autocast's does. Which cache depends
 on where the kernel runs (``cache_for_call``):
 
-* Inside a mixprec region, mixprec's own (per thread, cleared when the thread's
+* Inside a mixprec region, for an op the region's policy or compute changes,
+  mixprec's own (per thread, cleared when the thread's
   outermost region exits), with three corrections to torch's rule: it is skipped
   while grad mode is off, so a copy made under ``no_grad`` (which has no autograd
   history) never reaches a later differentiable call; an entry records the
   weight's version counter, so an in-place update of the weight forces a fresh
   cast; and entries are keyed by weight and dtype.
-* Anywhere else (a plain ``torch.autocast`` region, a checkpoint's recompute,
-  ``mixprec.install``), a mirror of torch's own cache, with torch's rules:
+* Anywhere else (an op the region runs as native autocast does, which a mixprec
+  kernel serves only because another region registered one: so it casts as it
+  would without that kernel; a plain ``torch.autocast`` region, a checkpoint's
+  recompute, ``mixprec.install``), a mirror of torch's own cache, with torch's rules:
   process-wide, keyed by the weight alone, used under ``no_grad`` too (the copy
   is made with grad on, as torch's carries autograd history there), and cleared
   whenever torch clears its own: ``torch.clear_autocast_cache``, which
   ``torch.autocast`` calls as its outermost region exits, is wrapped while
   mixprec has kernels (``follow_torch``). So a plain ``torch.autocast`` region
-  casts a weight as often as native does, whatever mixprec did before.
+  casts a weight as often as native does, whatever mixprec did before. An op
+  a policy changes or emulates that runs outside any mixprec level (in a
+  checkpoint's recompute, under ``install``) keeps its casts there too, but
+  keyed by weight and dtype (``cast_exact``), where an op run as native never
+  finds them: so a recompute meets the casts its forward met.
 
 Under ``inference_mode`` neither is used, as torch uses none there (its fix for
 pytorch#158232): a cast made there is an inference tensor, which no later
@@ -67,24 +74,33 @@ class OwnCache(dict[tuple[int, torch.dtype], tuple["weakref.ref[torch.Tensor]", 
         return [(ref(), dtype, version, cast) for (_, dtype), (ref, version, cast) in self.items()]
 
 
-class MirrorCache(dict[int, tuple["weakref.ref[torch.Tensor]", torch.Tensor]]):
-    """The mirror of torch's cache kept in Python (without the C++ extension): ``id(weight)`` -> (a weak
-    reference to the weight, its cast)."""
+class MirrorCache(dict[tuple[int, "torch.dtype | None"], tuple["weakref.ref[torch.Tensor]", torch.Tensor]]):
+    """The mirror of torch's cache kept in Python (without the C++ extension): ``(id(weight), None)`` -> (a
+    weak reference to the weight, its cast), and ``(id(weight), dtype)`` for ``cast_exact``'s entries."""
 
     def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        found = self.get(id(weight))
+        """torch's rule: the weight's cast, whatever dtype it was cast to."""
+        return self._cast(weight, dtype, None)
+
+    def cast_exact(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weight's cast to ``dtype`` (kept apart from ``cast``'s)."""
+        return self._cast(weight, dtype, dtype)
+
+    def _cast(self, weight: torch.Tensor, dtype: torch.dtype, keyed: torch.dtype | None) -> torch.Tensor:
+        key = (id(weight), keyed)
+        found = self.get(key)
         if found is not None and found[0]() is weight:
-            return found[1]  # whatever dtype it was cast to, as torch's cache answers
+            return found[1]
         if torch.is_grad_enabled():
             out = to(weight, dtype)
         else:
             with torch.enable_grad():
                 out = to(weight, dtype)
-        self[id(weight)] = (weakref.ref(weight), out)
+        self[key] = (weakref.ref(weight), out)
         return out
 
     def entries(self) -> list[Entry]:
-        return [(ref(), None, None, cast) for ref, cast in self.values()]
+        return [(ref(), keyed, None, cast) for (_, keyed), (ref, cast) in self.items()]
 
 
 class ExtensionCache:
@@ -93,6 +109,7 @@ class ExtensionCache:
 
     def __init__(self, module: Any, which: str) -> None:
         self.cast = getattr(module, f"cast_{which}")
+        self.cast_exact = module.cast_exact if which == "mirror" else self.cast  # (the mirror's)
         self.entries = getattr(module, f"{which}_entries")
         self.clear = getattr(module, f"{which}_clear")
         self._size = getattr(module, f"{which}_size")
@@ -102,12 +119,22 @@ class ExtensionCache:
 
 
 #: A cache entry as ``entries()`` lists it: (the weight, or None once it is gone; the dtype it was cast to, or
-#: None in the mirror; the weight's version then, or None in the mirror; the cast).
+#: None in the mirror but for its exact entries; the weight's version then, or None in the mirror; the cast).
 Entry = tuple["torch.Tensor | None", "torch.dtype | None", "int | None", torch.Tensor]
-Cache = OwnCache | MirrorCache | ExtensionCache
+
+
+class Exact:
+    """The mirror's entries keyed by weight and dtype, as a cache to cast through (``cast_exact``)."""
+
+    def __init__(self, mirror: MirrorCache | ExtensionCache) -> None:
+        self.cast = mirror.cast_exact
+
+
+Cache = OwnCache | MirrorCache | ExtensionCache | Exact
 
 #: The mirror of torch's cache (process-wide); the C++ extension's once it is built (``use_extension``).
 _torch_cache: MirrorCache | ExtensionCache = MirrorCache()
+_exact = Exact(_torch_cache)
 _own: ExtensionCache | None = None  # the C++ extension's own caches (per thread), once it is built
 _extension: Any = None
 _torch_clear = torch._C.clear_autocast_cache  # torch's own
@@ -117,11 +144,12 @@ _follow_lock = threading.Lock()
 def use_extension(module: Any) -> None:
     """Keep the casts in the C++ extension's caches from now on, for both kinds of kernel (``_fastpath``
     calls this once it is built, before any C++ kernel exists). What the Python caches held is dropped."""
-    global _torch_cache, _own, _extension
+    global _torch_cache, _own, _extension, _exact
     _torch_cache.clear()
     if _state._state.cache is not None:
         _state._state.cache.clear()
     _torch_cache, _own, _extension = ExtensionCache(module, "mirror"), ExtensionCache(module, "own"), module
+    _exact = Exact(_torch_cache)
     module.set_in_level(bool(_state._state.frames))
 
 
@@ -157,15 +185,18 @@ def follow_torch(on: bool) -> None:
             _torch_cache.clear()
 
 
-def cache_for_call() -> Cache | None:
-    """The cache a ``lower_precision_fp`` kernel casts weights through now, or None (see the module)."""
+def cache_for_call(torch_rules: bool = False) -> Cache | None:
+    """The cache a ``lower_precision_fp`` kernel casts weights through now, or None (see the module);
+    ``torch_rules``: the kernel runs its op as native autocast does, so only torch's cache (its mirror) serves."""
     if not torch.is_autocast_cache_enabled() or _compat.tracing():  # a graph casts each once anyway
         return None
     if torch.is_inference_mode_enabled():  # an inference tensor can never serve a later differentiable call
         return None
+    if torch_rules:
+        return _torch_cache
     if _state._state.frames:
         return thread_cache() if torch.is_grad_enabled() else None
-    return _torch_cache
+    return _exact
 
 
 def thread_cache() -> Cache:
@@ -202,11 +233,11 @@ def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device_type: str, cache: Ca
     return t.to(dtype) if method is None else method(t)
 
 
-def cast_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_weight(weight: torch.Tensor, dtype: torch.dtype, torch_rules: bool = False) -> torch.Tensor:
     """A weight's cast as ``cast_call`` makes it for a cached target: through ``cache_for_call()``'s cache, or
     plainly without one. The C++ kernels (``_fastpath.cpp``'s ``cast_cached``) make the same choice over the
     same caches for a call in forward; ``tests/test_fastpath.py`` holds them to this."""
-    cache = cache_for_call()
+    cache = cache_for_call(torch_rules)
     return to(weight, dtype) if cache is None else cache.cast(weight, dtype)
 
 
@@ -228,9 +259,10 @@ def cast_call(
     dtype: torch.dtype,
     device_type: str,
     cached: bool,
+    torch_rules: bool = False,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Cast every eligible tensor among a call's arguments; weights through ``cache_for_call()``'s cache if
-    ``cached`` (the target format keeps weights' casts).
+    """Cast every eligible tensor among a call's arguments; weights through ``cache_for_call(torch_rules)``'s
+    cache if ``cached`` (the target format keeps weights' casts).
 
     The kernels' hot path: ``cast_tensor`` written out for a call's positional tensors, and the cache looked up
     only when a weight is met. Eligibility is ``_plan.eligible_tensor``'s, written out (a test holds them equal).
@@ -250,19 +282,19 @@ def cast_call(
             ):
                 if cache is not None and source is _float32 and a.requires_grad and a.is_leaf and not a._is_view():
                     if cache is _UNSET:
-                        cache = cache_for_call()
+                        cache = cache_for_call(torch_rules)
                     if cache is not None:  # a weight, and a cache to keep its cast in
                         out.append(cache.cast(a, dtype))
                         continue
                 a = a.to(dtype) if method is None else method(a)
         elif type(a) in _SEQUENCES:
             if cache is _UNSET:
-                cache = cache_for_call()
+                cache = cache_for_call(torch_rules)
             a = cast_value(a, dtype, device_type, cache)
         out.append(a)
     if kwargs:
         if cache is _UNSET:
-            cache = cache_for_call()
+            cache = cache_for_call(torch_rules)
         kwargs = {k: cast_value(v, dtype, device_type, cache) for k, v in kwargs.items()}
     return tuple(out), kwargs
 

@@ -49,6 +49,7 @@ struct Plan {
   int8_t kind = SLOW;
   int8_t dtype = -1;  // a c10::ScalarType, or -1: the region's dtype
   bool cached = false;  // weights go through the cast cache
+  bool torch_rules = false;  // an op run as native: its weights' casts follow torch's cache rules (the mirror)
 };
 
 // A setting's plans, indexed by the overloads' kernel numbers (a number past the end: SLOW).
@@ -119,6 +120,8 @@ bool is_weight(const at::Tensor& t) {
 //   cleared when the thread's outermost level closes, not used while grad mode is off.
 // - ``mirror``: everywhere else, with torch's rules: process-wide, keyed by the weight alone (answering
 //   whatever dtype it holds), used under no_grad too with the copy made with grad on, cleared with torch's.
+//   An op a policy changes or emulates, outside any mixprec level (a checkpoint's recompute, ``install``),
+//   keeps its casts there too but keyed by weight and dtype (``exact``), out of sight of an op run as native.
 using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
 struct OwnKey {
@@ -155,7 +158,7 @@ struct MirrorEntry {
   at::Tensor cast;
 };
 
-using MirrorMap = std::unordered_map<c10::TensorImpl*, MirrorEntry>;
+using MirrorMap = std::unordered_map<OwnKey, MirrorEntry, OwnKeyHash>;  // dtype -1: torch's rule (any dtype)
 
 thread_local OwnCache own;
 thread_local bool in_level = false;
@@ -183,10 +186,11 @@ at::Tensor cast_own(const at::Tensor& weight, at::ScalarType dtype) {
   return out;
 }
 
-at::Tensor cast_mirror(const at::Tensor& weight, at::ScalarType dtype) {
+at::Tensor cast_mirror(const at::Tensor& weight, at::ScalarType dtype, bool exact) {
   std::optional<MirrorEntry> stale;  // released after the lock: its tensor may have a Python object to free
+  const OwnKey key{weight.unsafeGetTensorImpl(), exact ? static_cast<int8_t>(dtype) : static_cast<int8_t>(-1)};
   std::lock_guard<std::mutex> hold(mirror_lock);
-  auto found = mirror.find(weight.unsafeGetTensorImpl());
+  auto found = mirror.find(key);
   if (found != mirror.end() && alive_as(found->second.weight, weight)) return found->second.cast;
   at::Tensor out;
   {
@@ -198,23 +202,26 @@ at::Tensor cast_mirror(const at::Tensor& weight, at::ScalarType dtype) {
     stale.emplace(std::move(found->second));
     found->second = std::move(entry);
   } else {
-    mirror.emplace(weight.unsafeGetTensorImpl(), std::move(entry));
+    mirror.emplace(key, std::move(entry));
   }
   return out;
 }
 
-// ``_cast.cast_weight`` for a call in forward with no trace: inside a mixprec level, the thread's own cache
-// while grad is on and none under no_grad; else the mirror of torch's.
-at::Tensor cast_cached(const at::Tensor& weight, at::ScalarType dtype) {
+// ``_cast.cast_weight`` for a call in forward with no trace: for an op run as native (``torch_rules``), the
+// mirror; for another, inside a mixprec level, the thread's own cache while grad is on and none under no_grad,
+// and outside one the mirror's exact entries.
+at::Tensor cast_cached(const at::Tensor& weight, at::ScalarType dtype, bool torch_rules) {
   if (c10::InferenceMode::is_enabled()) return weight.to(dtype);  // an inference tensor: never kept (as torch)
-  if (!in_level) return cast_mirror(weight, dtype);
+  if (torch_rules) return cast_mirror(weight, dtype, false);
+  if (!in_level) return cast_mirror(weight, dtype, true);
   if (!at::GradMode::is_enabled()) return weight.to(dtype);
   return cast_own(weight, dtype);
 }
 
-at::Tensor cast_one(const at::Tensor& t, at::ScalarType dtype, c10::DeviceType device, bool cache) {
+at::Tensor cast_one(const at::Tensor& t, at::ScalarType dtype, c10::DeviceType device, bool cache,
+                    bool torch_rules) {
   if (!eligible(t, dtype, device)) return t;
-  if (cache && is_weight(t)) return cast_cached(t, dtype);
+  if (cache && is_weight(t)) return cast_cached(t, dtype, torch_rules);
   return t.to(dtype);
 }
 
@@ -274,19 +281,20 @@ struct Kernel final : c10::OperatorKernel {
     for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n); it != stack->end(); ++it) {
       c10::IValue& value = *it;
       if (value.isTensor()) {
-        value = cast_one(value.toTensor(), dtype, device, cache);
+        value = cast_one(value.toTensor(), dtype, device, cache, plan.torch_rules);
       } else if (value.isTensorList()) {
         const auto list = value.toTensorList();
         c10::List<at::Tensor> out;
         out.reserve(list.size());
-        for (const at::Tensor& t : list) out.push_back(cast_one(t, dtype, device, cache));
+        for (const at::Tensor& t : list) out.push_back(cast_one(t, dtype, device, cache, plan.torch_rules));
         value = std::move(out);
       } else if (value.isList()) {
         const auto list = value.toList();
         c10::impl::GenericList out(list.elementType());
         out.reserve(list.size());
         for (const c10::IValue& item : list) {
-          out.push_back(item.isTensor() ? c10::IValue(cast_one(item.toTensor(), dtype, device, cache)) : item);
+          out.push_back(
+              item.isTensor() ? c10::IValue(cast_one(item.toTensor(), dtype, device, cache, plan.torch_rules)) : item);
         }
         value = std::move(out);
       }
@@ -346,16 +354,16 @@ at::ScalarType scalar_type(const pybind11::object& dtype) {
   return reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type;
 }
 
-std::shared_ptr<Table> make_table(const std::vector<std::tuple<int64_t, pybind11::object, bool>>& plans) {
-  // (kind, target dtype or None for the region's, cached) per overload number.
+std::shared_ptr<Table> make_table(const std::vector<std::tuple<int64_t, pybind11::object, bool, bool>>& plans) {
+  // (kind, target dtype or None for the region's, cached, torch's cache rules) per overload number.
   auto table = std::make_shared<Table>();
   table->plans.reserve(plans.size());
-  for (const auto& [kind, dtype, cached] : plans) {
+  for (const auto& [kind, dtype, cached, torch_rules] : plans) {
     int8_t target = -1;
     if (!dtype.is_none()) {
       target = static_cast<int8_t>(scalar_type(dtype));
     }
-    table->plans.push_back(Plan{static_cast<int8_t>(kind), target, cached});
+    table->plans.push_back(Plan{static_cast<int8_t>(kind), target, cached, torch_rules});
   }
   return table;
 }
@@ -392,17 +400,21 @@ pybind11::list own_entries() {
 }
 
 pybind11::list mirror_entries() {
-  std::vector<std::pair<Weak, at::Tensor>> copy;
+  std::vector<std::tuple<int8_t, Weak, at::Tensor>> copy;
   {
     pybind11::gil_scoped_release free;  // (another thread may hold the lock and need the interpreter)
     std::lock_guard<std::mutex> hold(mirror_lock);
-    for (const auto& [impl, entry] : mirror) copy.emplace_back(entry.weight, entry.cast);
+    for (const auto& [key, entry] : mirror) copy.emplace_back(key.dtype, entry.weight, entry.cast);
   }
   pybind11::list out;
-  for (auto& [ref, cast] : copy) {
+  for (auto& [dtype, ref, cast] : copy) {
     auto weight = ref.lock();
-    out.append(pybind11::make_tuple(weight ? pybind11::cast(at::Tensor(std::move(weight))) : pybind11::none(),
-                                    pybind11::none(), pybind11::none(), cast));
+    out.append(pybind11::make_tuple(
+        weight ? pybind11::cast(at::Tensor(std::move(weight))) : pybind11::none(),
+        dtype < 0 ? pybind11::none()
+                  : pybind11::reinterpret_borrow<pybind11::object>(
+                        reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<at::ScalarType>(dtype)))),
+        pybind11::none(), cast));
   }
   return out;
 }
@@ -467,7 +479,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cast_mirror", [](const at::Tensor& weight, const pybind11::object& dtype) {
     const auto target = scalar_type(dtype);
     pybind11::gil_scoped_release free;
-    return cast_mirror(weight, target);
+    return cast_mirror(weight, target, false);
+  });
+  m.def("cast_exact", [](const at::Tensor& weight, const pybind11::object& dtype) {
+    const auto target = scalar_type(dtype);
+    pybind11::gil_scoped_release free;
+    return cast_mirror(weight, target, true);
   });
   m.def("own_entries", &own_entries);
   m.def("own_size", []() { return own.map.size(); });

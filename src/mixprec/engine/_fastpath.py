@@ -20,8 +20,9 @@ The weights' cast caches live in the extension too, for both kinds of kernel (``
 cached cast costs no trip into Python, and a cast made by either kind is the one the other finds.
 
 A table holds, per overload numbered here, the runner's plan (``_rules.runner``'s ``cast_plan``: the target
-dtype or the region's, and whether weights are cached): the rules stay in Python and the C++ repeats only the
-cast of a plain runner and the eligibility test; ``tests/test_fastpath.py`` holds it to the Python kernel.
+dtype or the region's, whether weights are cached, and whether by torch's cache rules): the rules stay in
+Python and the C++ repeats only the cast of a plain runner and the eligibility test; ``tests/test_fastpath.py``
+holds it to the Python kernel.
 
 The extension is built on first use against the torch installed (``torch.utils.cpp_extension.load``: about
 25 s with g++ 12, once per torch release, Python and source, under ``build_directory()``). Where it cannot be
@@ -177,15 +178,15 @@ def table(entries: dict[Op, Any]) -> Any:
     module = extension()
     if module is None:
         return None
-    plans: list[tuple[int, Any, bool]] = [(_SLOW, None, False)] * len(_numbers)
+    plans: list[tuple[int, Any, bool, bool]] = [(_SLOW, None, False, False)] * len(_numbers)
     for op, number in list(_numbers.items()):  # (another thread may be numbering more)
         entry = entries.get(op)
         if entry is None:
-            plans[number] = (_THROUGH, None, False)
+            plans[number] = (_THROUGH, None, False, False)
             continue
         plan = getattr(entry, "cast_plan", None)
         if plan is not None:
-            plans[number] = (_CAST, plan[0], plan[1])
+            plans[number] = (_CAST, *plan)
     return module.make_table(plans)
 
 

@@ -163,12 +163,16 @@ def rule_for(policy: Policy, op: Op, category: Category) -> _rules.Rule:
 
 
 def _entries(
-    policy: Policy, device_type: str, table: dict[Op, Category], setting: _state.Setting | None
+    policy: Policy, device_type: str, table: dict[Op, Category], setting: _state.Setting | None,
+    changed: frozenset[Op] = frozenset(),
 ) -> dict[Op, Entry]:
+    """The runners of ``table``'s ops; an op the setting neither moves from torch's category (``changed``) nor
+    emulates runs as native, with torch's cache rules: as it would if no region had registered its kernel."""
     out: dict[Op, Entry] = {}
     for op, category in table.items():
         emulate = setting is not None and category in _REGION_CASTS and _emulated(setting, op)
-        out[op] = _rules.runner(op, device_type, category, rule_for(policy, op, category), emulate)
+        as_native = not emulate and op not in changed
+        out[op] = _rules.runner(op, device_type, category, rule_for(policy, op, category), emulate, as_native)
     return out
 
 
@@ -176,8 +180,8 @@ def entries(setting: _state.Setting) -> dict[Op, Entry]:
     """``{overload: runner}`` for a setting (memoized by the setting's content)."""
     found = _compiled.get(setting.key)
     if found is None:
-        table, _ = _tables.effective(setting.policy, setting.device_type)
-        found = _compiled.put(setting.key, _entries(setting.policy, setting.device_type, table, setting))
+        table, changed = _tables.effective(setting.policy, setting.device_type)
+        found = _compiled.put(setting.key, _entries(setting.policy, setting.device_type, table, setting, changed))
     setting.derived["entries"] = found  # the kernels' fast path
     return found
 

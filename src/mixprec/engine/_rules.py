@@ -182,9 +182,11 @@ def run_scaled(
 Runner = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 
 
-def runner(op: Op, device_type: str, category: Category, rule: Rule, emulate: bool) -> Runner:
+def runner(op: Op, device_type: str, category: Category, rule: Rule, emulate: bool, as_native: bool = False) -> Runner:
     """``rule`` bound to ``op`` and the device, called with the region's dtype; a cast without emulated compute
-    written out (``_casting``'s rule less its frame and plan lookup: the kernels' commonest call)."""
+    written out (``_casting``'s rule less its frame and plan lookup: the kernels' commonest call). ``as_native``:
+    the op runs as torch's own autocast kernel runs it (its native category, native compute), so its weights'
+    casts follow torch's cache rules (``_cast.cache_for_call``) whatever region it runs in."""
     get_dtype = torch.get_autocast_dtype
     if category.action is not Action.CAST or emulate:
         return lambda args, kwargs: rule(op, device_type, get_dtype(device_type), emulate, args, kwargs)
@@ -194,10 +196,10 @@ def runner(op: Op, device_type: str, category: Category, rule: Rule, emulate: bo
     cast_call = _cast.cast_call
 
     def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        cast, cast_kwargs = cast_call(args, kwargs, fixed or get_dtype(device_type), device_type, cached)
+        cast, cast_kwargs = cast_call(args, kwargs, fixed or get_dtype(device_type), device_type, cached, as_native)
         return call(*cast, **cast_kwargs)
 
-    run.cast_plan = (fixed, cached)  # type: ignore[attr-defined]  # what the C++ kernels do instead (_fastpath)
+    run.cast_plan = (fixed, cached, as_native)  # type: ignore[attr-defined]  # what the C++ kernels do (_fastpath)
     return run
 
 
