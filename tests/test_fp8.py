@@ -235,6 +235,51 @@ def _region(dtype=torch.bfloat16, policy=FP8):
     return mixprec.autocast("cpu", dtype=dtype, policy=policy, compute="native")
 
 
+def test_a_weight_quantisation_lives_as_long_as_the_region_and_sees_updates_no_version_counter_sees(monkeypatch):
+    """Kept for the region (once however often a layer runs in it), as native keeps a weight's cast, and dropped
+    as the region ends: so weights changed between regions through ``.data`` (a target network's soft update,
+    hand-written SGD), assigned (``p.data = ...``) or converted (``module.to``), none of which moves the
+    parameter's version counter, give what a fresh model with those weights gives. A ``torch.autocast`` region
+    under ``install`` drops them at its exit too."""
+    engine.reset()
+    calls = []
+    real = _fp8.quantise
+    monkeypatch.setattr(_fp8, "quantise", lambda t, *a: calls.append(tuple(t.shape)) or real(t, *a))
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(64, 48), torch.randn(32, 64)
+
+    def fresh_out(dtype=torch.float32):  # type: ignore[no-untyped-def]
+        twin = torch.nn.Linear(64, 48).to(dtype)
+        twin.load_state_dict(layer.state_dict())
+        with torch.no_grad(), _region():
+            return twin(x.to(dtype))
+
+    with torch.no_grad(), _region():
+        first, again = layer(x), layer(x)
+    assert calls.count((48, 64)) == 1 and torch.equal(first, again) and not _fp8._weights
+    layer.weight.data.mul_(0.5)  # (the parameter's version counter does not move)
+    with torch.no_grad(), _region():
+        halved = layer(x)
+    assert calls.count((48, 64)) == 2 and torch.equal(halved, fresh_out())
+    layer.weight.data = torch.randn(48, 64)
+    with torch.no_grad(), _region():
+        assigned = layer(x)
+    assert torch.equal(assigned, fresh_out())
+    layer.to(torch.bfloat16)
+    with torch.no_grad(), _region():
+        converted = layer(x.bfloat16())
+    assert torch.equal(converted, fresh_out(torch.bfloat16))
+    handle = mixprec.install(FP8)
+    try:
+        with torch.no_grad(), torch.autocast("cpu"):
+            layer(x.bfloat16())
+            assert _fp8._weights
+        assert not _fp8._weights
+    finally:
+        handle.remove()
+    engine.reset()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_ops_in_the_fp8_category_run_the_fp8_gemms_with_the_output_in_the_region_dtype(dtype):
     torch.manual_seed(0)
@@ -565,6 +610,13 @@ def test_an_fp8_graph_compiles_whole_exports_again_and_runs_inside_a_region():
     assert torch.equal(again(x), eager)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # a graph run in a region: the fp8 calls do not cast again
         assert torch.equal(graph(x), eager)
+    assert not mixprec.engine._fp8._weights  # (outside a region a call keeps nothing past it)
+    with torch.no_grad():
+        graph(x)
+        for p in (*graph.parameters(), *block.parameters()):  # seen by no version counter: quantised afresh
+            p.data.mul_(0.5)
+        with _region():
+            assert torch.equal(graph(x), block(x))
     with pytest.raises(RuntimeError, match="fp8 with delayed scaling cannot run under torch"):
         torch.export.export(mixprec.graph.apply_policy(
             torch.export.export(block, (x,)).module(), FP8.with_fp8_recipe(scaling="delayed"), torch.bfloat16

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from mixprec import _compat
-from mixprec.engine import _plan, _state
+from mixprec.engine import _fp8, _plan, _state
 
 _Tensor = torch.Tensor
 _float32 = torch.float32
@@ -161,6 +161,7 @@ def levels_changed(state: _state.ThreadState) -> None:
             state.cache.clear()
         if _own is not None:
             _own.clear()
+        _fp8.clear_weight_cache()  # (fp8's weight quantisations live as long as the casts: a region)
     if _extension is not None:
         _extension.set_in_level(bool(state.frames))
 
@@ -170,6 +171,7 @@ def clear_autocast_cache() -> None:
     _torch_clear()
     if _torch_cache:
         _torch_cache.clear()
+    _fp8.clear_weight_cache()
 
 
 clear_autocast_cache.__wrapped__ = _torch_clear  # type: ignore[attr-defined]

@@ -16,9 +16,12 @@ For ``y = x @ w.t() + b`` (``x`` flattened to 2-D, ``M x K``; ``w`` is ``N x K``
 Tensorwise scaling takes one amax per tensor; rowwise one per row of each GEMM operand along the contracted
 dimension, so each GEMM requantises its operands from the high-precision tensors saved in forward.
 Quantisation is plain torch ops (amax, multiply, clamp, cast), which a compiler can fuse; only
-``_scaled_mm`` is opaque. In eager mode a weight's quantisation is kept while the weight's version counter
-and the process's count of optimizer steps are unchanged (``quantise_weight``), so each weight is quantised
-once per optimizer step.
+``_scaled_mm`` is opaque. In eager mode a weight's quantisation is kept as native autocast keeps a weight's
+cast: until the region ends (the thread's outermost mixprec region exits, or torch clears its autocast cache,
+as a plain ``torch.autocast`` region does as it exits: ``_cast``), and only while the weight's version
+counter, storage, dtype and the process's count of optimizer steps are unchanged (``quantise_weight``). So a
+weight is quantised once per region however often it is used, and an update no version counter sees (through
+``.data``, ``module.to``) between regions is always seen.
 
 ``_scaled_mm`` on CUDA takes a row-major first operand, a column-major second one, dimensions that are
 multiples of 16, and at most one e5m2 operand; on CPU it takes more. Every device gets CUDA's rules here
@@ -77,11 +80,11 @@ def quantise(
     return q, factor.reciprocal()
 
 
-#: A weight's quantisations: ``(id(source), the weight's view geometry, dtype, recipe, dim)`` -> (a weak
-#: reference to the source, its ``_amax.stamp`` then, ``(q, inverse_scale)``, the delayed recipe's site and
-#: its count of recorded steps then, or None and 0). An in-place update bumps the version, an optimizer step
-#: the process's step count (FSDP2 keeps the version of the weight it gathers into), so an entry is used only
-#: while the weight is unchanged: a weight is quantised once per step however often it is used.
+#: A weight's quantisations: ``(id(source), the weight's view geometry, storage and dtype, fp8 dtype, recipe,
+#: dim)`` -> (a weak reference to the source, its ``_amax.stamp`` then, ``(q, inverse_scale)``, the delayed
+#: recipe's site and its count of recorded steps then, or None and 0). An in-place update bumps the version, an
+#: optimizer step the process's step count (FSDP2 keeps the version of the weight it gathers into), so an entry
+#: is used only while the weight is unchanged; and the region's end drops them all (``clear_weight_cache``).
 _weights: dict[
     tuple[Any, ...], tuple[Any, tuple[int, int], tuple[torch.Tensor, torch.Tensor], _amax.Site | None, int]
 ] = {}
@@ -107,7 +110,10 @@ def quantise_weight(
     pending amaxes at its first call, is the same at every later call of the step."""
     if _compat.tracing():
         return quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
-    key = (id(source), tuple(weight.shape), weight.stride(), weight.storage_offset(), dtype, recipe, dim)
+    key = (
+        id(source), tuple(weight.shape), weight.stride(), weight.storage_offset(), weight.data_ptr(), weight.dtype,
+        dtype, recipe, dim,
+    )
     found, now = _weights.get(key), _amax.stamp(source)
     filled = 0 if site is None else site.filled
     if found is not None and found[0]() is source and found[1] == now and found[3] is site and found[4] == filled:
@@ -124,8 +130,9 @@ def quantise_weight(
 
 
 def clear_weight_cache() -> None:
-    """Drop every kept weight quantisation (``mixprec.engine.reset``)."""
-    _weights.clear()
+    """Drop every kept weight quantisation (as a region ends: ``_cast``; and ``mixprec.engine.reset``)."""
+    if _weights:
+        _weights.clear()
 
 
 def aligned(m: int, k: int, n: int) -> bool:
