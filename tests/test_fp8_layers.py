@@ -174,3 +174,50 @@ def test_the_cli_lists_layers_and_call_sites(capsys, tmp_path):
     assert everything.code == 0 and everything.out.count("fp8 (tensorwise)") == 3
     bad = run(capsys, "policy", "layers", f"{target}:nothing")
     assert bad.code == 2 and "has no attribute 'nothing'" in bad.err
+
+
+def test_explain_with_an_example_changes_nothing_training_sees():
+    """Looking before training is free of side effects: ``explain(model, example=...)`` runs the forward, in the
+    model's mode, but puts back BatchNorm's statistics (a buffer it replaces too), the random generators (dropout
+    drew from them) and the delayed amax histories (no amax of the example, no roll, no new site), so the steps
+    after it equal the steps without it."""
+    delayed = FP8.with_fp8_recipe(scaling="delayed", history=2)
+    gen = torch.Generator().manual_seed(1)
+    xs, target = [torch.randn(16, 64, generator=gen) for _ in range(4)], torch.randn(16, 16, generator=gen)
+
+    class Replacing(torch.nn.Module):  # a forward that replaces its buffer with a new tensor
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls = self.calls + 1
+            return x
+
+    def train(look: bool, train_steps: int = 4):  # type: ignore[no-untyped-def]
+        mixprec.engine.reset()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(64, 64), torch.nn.BatchNorm1d(64), torch.nn.Dropout(0.2), Replacing(),
+            torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16),
+        )
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        seen = []
+        for step, x in enumerate(xs[:train_steps]):
+            if look and step in (0, 2):  # before training, and between steps (a history rolled already)
+                mixprec.explain(net, "cpu", delayed, example=(x * 10,))
+            with mixprec.autocast("cpu", policy=delayed):
+                loss = torch.nn.functional.mse_loss(net(x).float(), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            seen.append(loss.detach())
+        history = mixprec.AmaxHistory(net).state_dict()
+        return seen, [b.clone() for b in net.buffers()], history, torch.rand(3)
+
+    plain, looked = train(False), train(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], looked[0], strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], looked[1], strict=True))
+    assert plain[2].keys() == looked[2].keys() and all(torch.equal(plain[2][k], looked[2][k]) for k in plain[2])
+    assert torch.equal(plain[3], looked[3])
+    mixprec.engine.reset()

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from mixprec import _autocast, _errors, _module
-from mixprec.engine import _devices, _fp8, _tables
+from mixprec.engine import _amax, _devices, _fp8, _tables
 from mixprec.policies import Category, Policy
 
 #: A layer's last name component that marks a mixture-of-experts router (its logits choose the experts:
@@ -369,7 +369,9 @@ def call_sites(
     dtype: torch.dtype,
 ) -> CallSites:
     """Run ``model(*args, **kwargs)`` once, without gradients, under ``mixprec.autocast(device_type, dtype,
-    policy)`` and list its matmul-family calls (``explain(model, example=...)``)."""
+    policy)`` and list its matmul-family calls (``explain(model, example=...)``). Looking changes nothing: the
+    model's buffers (BatchNorm's statistics), the random number generators and fp8's amax histories are put back
+    as they were, so training after ``explain`` is training without it."""
     paths = {id(m): p for p, m in model.named_modules()}
     mode = _Sites(device_type)
 
@@ -381,12 +383,25 @@ def call_sites(
 
     hooks = [h for m in model.modules() for h in (m.register_forward_pre_hook(enter),
                                                    m.register_forward_hook(leave, always_call=True))]  # fmt: skip
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
+               if b is not None]  # fmt: skip
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with _autocast.autocast(device_type, dtype=dtype, policy=policy), torch.no_grad(), mode:
+        with (
+            torch.random.fork_rng(devices=cuda),
+            _amax.preserved(),
+            _autocast.autocast(device_type, dtype=dtype, policy=policy),
+            torch.no_grad(),
+            mode,
+        ):
             model(*args, **kwargs)
     finally:
         for hook in hooks:
             hook.remove()
+        with torch.no_grad():
+            for module, name, buffer, saved in buffers:  # (the same tensor, even where forward replaced it)
+                module._buffers[name] = buffer
+                buffer.copy_(saved)
     return CallSites(tuple(mode.sites))
 
 

@@ -29,8 +29,10 @@ weights_only=True)`` reads back.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -163,6 +165,21 @@ def _make(weight: torch.Tensor, steps: int, version: tuple[int, int]) -> Site:
     made.group = _groups.get(key)
     _sites[key] = made
     return made
+
+
+@contextlib.contextmanager
+def preserved() -> Iterator[None]:
+    """Every history as it was before the block, after it: a call made only to look (``explain``) records no
+    amax, rolls no history and leaves no site."""
+    before = {k: (site, site.version, site.history, site.pending.clone(), site.filled) for k, site in _sites.items()}
+    try:
+        yield
+    finally:
+        for key in [key for key, site in _sites.items() if before.get(key, (None,))[0] is not site]:
+            del _sites[key]
+        for key, (site, version, history, pending, filled) in before.items():
+            site.version, site.history, site.pending, site.filled = version, history, pending, filled
+            _sites.setdefault(key, site)
 
 
 def clear() -> None:
