@@ -346,7 +346,7 @@ AUTOCAST_ROWS = [
     # Errors inside a region.
     row("autocast-inside-banned-op", mixprec.autocast, "cpu", policy=CUDA, how=Inside(bce), raises=RuntimeError,
         names=("binary_cross_entropy_with_logits", "with_ops(fp32=['binary_cross_entropy'])")),
-    row("autocast-inside-promote-mix", mixprec.autocast, "cpu", policy=CPU.with_ops(promote=["add"]),
+    row("autocast-inside-promote-mix", mixprec.autocast, "cpu", dtype=BF16, policy=CPU.with_ops(promote=["add"]),
         how=Inside(promote_mismatch), raises=RuntimeError,
         names=("dtype=torch.float16", "Expected one of: float32, bfloat16")),
     row("autocast-inside-shape-error", mixprec.autocast, "cpu", how=Inside(mm_mismatch), raises=RuntimeError,
