@@ -127,3 +127,77 @@ def test_a_native_forward_recomputes_natively_even_after_an_install():
     for a, b in zip(*grads, strict=True):
         assert a.dtype is b.dtype and torch.equal(a, b)
     assert grads[0][0].dtype is BF16
+
+
+class _Opening(torch.nn.Module):
+    """A module whose forward opens ``torch.autocast`` itself (as ``accelerate``'s prepared forward does), with an
+    inner module that may hold a checkpoint."""
+
+    def __init__(self, checkpointed: str | None = None) -> None:
+        super().__init__()
+        self.first, self.act, self.second = torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8)
+        self.checkpointed = checkpointed
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.act(self.first(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu"):
+            if self.checkpointed is None:
+                return self.body(x)
+            return checkpoint(self.body, x, use_reentrant=self.checkpointed == "reentrant")
+
+
+def test_a_module_policy_reaches_a_torch_autocast_region_its_module_opens_under_install():
+    """A module entered with autocast off, whose forward opens ``torch.autocast`` (a prepared model's): under
+    ``install`` the module's policy is the region's, as it is for a ``mixprec.autocast`` opened there; without
+    ``install`` the region is torch's own."""
+    x = torch.randn(4, 8)
+    block = _Opening()
+    with mixprec.set_module_policy(block, LINEAR_FP32):
+        assert block(x).dtype is BF16  # nothing installed: torch.autocast is native
+        with mixprec.install():
+            assert block(x).dtype is F32
+            inner = mixprec.set_module_policy(block.second, mixprec.policies.CPU)  # the innermost policy wins
+            assert block(x).dtype is BF16
+            inner.remove()
+        assert block(x).dtype is BF16
+    with mixprec.install():
+        assert block(x).dtype is BF16  # no module policy: the installed (default) one
+
+
+@pytest.mark.parametrize("checkpointed", ["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("where", ["inside the module", "around the module"])
+def test_a_module_policy_under_install_recomputes_as_its_forward_ran(checkpointed, where):
+    """The module's policy in the checkpoint's recompute, whether the module holds the checkpoint (no hook runs
+    in the recompute: the forward left the setting) or the checkpoint holds the module (its hook runs again, and
+    the code around it recomputes under the setting around it): gradients equal those without checkpointing."""
+    torch.manual_seed(0)
+    block = _Opening()
+    outer = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+
+    def run(use: bool) -> list[torch.Tensor]:
+        block.checkpointed = checkpointed if use and where == "inside the module" else None
+        for p in (*block.parameters(), *outer.parameters()):
+            p.grad = None
+        x.grad = None
+
+        def step(t: torch.Tensor) -> torch.Tensor:
+            inside = block(t)  # (first: the module's setting must not become the checkpoint's record)
+            with torch.autocast("cpu"):
+                around = outer(t)  # the installed (default) policy: bfloat16
+            return inside.float() + around.float()
+
+        if use and where == "around the module":
+            out = checkpoint(step, x, use_reentrant=checkpointed == "reentrant")
+        else:
+            out = step(x)
+        out.sum().backward()
+        return [out.detach(), x.grad, *(p.grad for p in (*block.parameters(), *outer.parameters()))]
+
+    with mixprec.install(), mixprec.set_module_policy(block, mixprec.policies.CPU.with_ops(fp32=["linear", "gelu"])):
+        plain, checkpointed_run = run(False), run(True)
+    for a, b in zip(plain, checkpointed_run, strict=True):
+        assert a.dtype is b.dtype and torch.equal(a, b)
+    assert block.first.weight.grad is not None

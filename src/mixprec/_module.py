@@ -32,17 +32,25 @@ covered too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from typing import Any
 
 import torch
 
 from mixprec import _autocast, _compat, _errors
-from mixprec.engine import _cast, _compile, _devices, _recompute, _state
+from mixprec.engine import _cast, _compile, _devices, _installation, _kernels, _recompute, _state, _tables
 from mixprec.policies import Policy
 
 FP32 = "fp32"
 _dynamo_compiling = torch.compiler.is_dynamo_compiling
+
+
+@functools.cache
+def _installation_devices() -> tuple[str, ...]:
+    """The devices ``install`` gives the ``torch.autocast`` regions of: those with an Autocast key, present (as
+    ``install`` finds them; asked once)."""
+    return tuple(d for d, spec in _devices.DEVICES.items() if _tables.autocast_key(d) is not None and spec.available())
 
 
 class _Level:
@@ -86,7 +94,25 @@ class _Level:
         if isinstance(policy, Policy):
             state.module_policies.append(policy)  # regions opened inside take it (autocast.__enter__)
             _state.hold(state)
+            if _installation.current is not None:
+                self._installed(policy)
         return self
+
+    def _installed(self, policy: Policy) -> None:
+        """Under ``install``, for each device it covers that autocast was off for here: a ``torch.autocast``
+        region opened inside the module runs under its policy (``_kernels``), whose kernels this registers, and
+        a checkpoint this module runs inside records the setting around the module first (``_recompute``)."""
+        installation = _installation.current
+        if installation is None:
+            return
+        for device in _installation_devices():
+            if device in self.devices:
+                continue
+            _recompute.record_around(device, None)
+            for dtype in _devices.DEVICES[device].supported_dtypes:
+                setting = installation.setting_for(device, dtype, policy)  # (memoized, and ensured once each)
+                if setting.derived.get("ready") is not _kernels.generation:
+                    _kernels.ensure(setting)
 
     def __exit__(self, *exc_info: object) -> None:
         if _dynamo_compiling():

@@ -14,6 +14,8 @@ Algorithm::
                                register the kernels of (device, dtype) for every usable device and dtype
                                current = the installation     (replacing any earlier one)
     kernel, no region setting: setting = current.setting_for(device, torch.get_autocast_dtype(device))
+                               (inside a module under a module policy, entered while autocast was off for the
+                               device: the module's policy with the installation's compute)
     handle.remove():           current = None if it is still this installation
 """
 
@@ -38,9 +40,19 @@ class Installation:
     policy: Policy | None
     compute: str
     _settings: dict[tuple[str, torch.dtype], _state.Setting] = dataclasses.field(default_factory=dict, repr=False)
+    _module_settings: dict[tuple[str, torch.dtype, Policy], _state.Setting] = dataclasses.field(
+        default_factory=dict, repr=False
+    )
 
-    def setting_for(self, device_type: str, dtype: torch.dtype) -> _state.Setting:
-        """The setting for regions on ``device_type`` in ``dtype``."""
+    def setting_for(self, device_type: str, dtype: torch.dtype, module: Policy | None = None) -> _state.Setting:
+        """The setting for regions on ``device_type`` in ``dtype``; with ``module``, for those opened inside a
+        module under that module policy (the installation's compute, the module's policy)."""
+        if module is not None:
+            found = self._module_settings.get((device_type, dtype, module))
+            if found is None:
+                found = _state.module_setting(device_type, module, self.setting_for(device_type, dtype))
+                self._module_settings[(device_type, dtype, module)] = found
+            return found
         found = self._settings.get((device_type, dtype))
         if found is None:
             policy = self.policy if self.policy is not None else _tables.default_policy(device_type)
@@ -111,12 +123,13 @@ def put(installation: Installation) -> None:
             on_change(False)
 
 
-def installed_setting(device_type: str) -> _state.Setting | None:
-    """The installed setting for ``device_type`` at torch's current autocast dtype, or None."""
+def installed_setting(device_type: str, module: Policy | None = None) -> _state.Setting | None:
+    """The installed setting for ``device_type`` at torch's current autocast dtype (with ``module``: inside a
+    module under that module policy), or None."""
     installation = current
     if installation is None:
         return None
-    return installation.setting_for(device_type, torch.get_autocast_dtype(device_type))
+    return installation.setting_for(device_type, torch.get_autocast_dtype(device_type), module)
 
 
 def policy() -> Policy | None:

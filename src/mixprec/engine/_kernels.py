@@ -267,9 +267,18 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
             return entry(args, kwargs)
 
     def _without_region() -> Entry | None:
-        """The entry for a call with no mixprec region on this thread: in a checkpoint's recompute, the one its
-        forward left; under ``mixprec.install``, the installed setting's; else torch's native one."""
+        """The entry for a call with no mixprec region on this thread: under ``mixprec.install``, inside a module
+        under a module policy (its hook found autocast off, and a ``torch.autocast`` opened inside), that policy's;
+        in a checkpoint's recompute, the one its forward left; under ``mixprec.install``, the installed setting's;
+        else torch's native one."""
         setting = None
+        modules = state.module_policies
+        if modules and installation.current is not None:
+            setting = _install.installed_setting(device_type, modules[-1])
+            if setting is not None:
+                if in_checkpointed_forward():  # (the module may hold the checkpoint, and run no hook in its recompute)
+                    _recompute.record_module(setting)
+                return (setting.derived.get("entries") or entries(setting)).get(op)
         if task_id() >= 0:  # in backward: perhaps a checkpoint's recompute
             setting = _recompute.recompute_setting(device_type)
             if setting is _recompute.NATIVE:

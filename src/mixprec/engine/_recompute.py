@@ -21,7 +21,11 @@ before a kernel inside it can record the region's own. Otherwise kernels record,
 which is enough: an op with no mixprec kernel runs the same in forward and in
 recompute, and if no kernel ran in a checkpointed forward, none runs in its
 recompute either. A kernel records no module policy's setting: its hook runs
-again during recompute and sets it. These are torch.utils.checkpoint's private
+again during recompute and sets it. Under ``install``, a module entered while
+autocast was off puts its policy on the ``torch.autocast`` regions inside it
+through the kernels (``record_module``: it may hold the checkpoint, and then
+runs no hook in the recompute; one inside the checkpoint records the setting
+around it as it enters, so its own never becomes the record). These are torch.utils.checkpoint's private
 structures; tests/test_interop.py pins them.
 """
 
@@ -69,6 +73,13 @@ def record(setting: _state.Setting) -> None:
     """In forward: leave ``setting`` on the checkpoint running this code, if any."""
     if setting.from_module:
         return
+    _leave(setting.device_type, setting)
+
+
+def record_module(setting: _state.Setting) -> None:
+    """In forward, under ``install``: leave a module policy's ``setting``, which a ``torch.autocast`` region
+    inside the module runs under, on the checkpoint running this code, if any and if none was left: the module
+    holds the checkpoint (a module inside it left the setting around it first, ``record_around``)."""
     _leave(setting.device_type, setting)
 
 
