@@ -795,6 +795,46 @@ def test_delayed_histories_save_and_load_through_weights_only_torch_load(tmp_pat
     engine.reset()
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_delayed_scaling_under_a_float16_grad_scaler_skips_overflows_and_recovers_as_tensorwise(bias):
+    """A float16 region, a GradScaler: a scale that overflows the gradients at first, one raised mid-run, and an
+    inf in a step's input. Every overflow is skipped (a delayed scale is finite, so an inf used to saturate to
+    the format's largest value, unseen without a bias's gradient), no inf or NaN amax enters a history (it used
+    to make every scale 0 from the next roll on: every later step skipped), and training recovers: the steps
+    skipped are tensorwise's."""
+
+    def skipped(scaling: str) -> tuple[list[int], list[torch.Tensor]]:
+        engine.reset()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64, bias=bias), torch.nn.GELU(),
+                                  torch.nn.Linear(64, 32, bias=bias))  # fmt: skip
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        scaler = mixprec.GradScaler("cpu", init_scale=2.0**30)
+        policy = FP8.with_fp8_recipe(scaling=scaling, history=4)
+        out = []
+        for step in range(18):
+            if step == 9:
+                scaler.update(new_scale=2.0**30)
+            x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step))
+            if step == 14:
+                x[0, 0] = float("inf")
+            with _region(torch.float16, policy):
+                loss = net(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            out.append(int(scaler.last_step_skipped))
+        histories = [site.history.clone() for site in _amax._sites.values()]
+        engine.reset()
+        return out, histories
+
+    delayed, histories = skipped("delayed")
+    tensorwise, _ = skipped("tensorwise")
+    assert delayed == tensorwise and delayed[14] == 1 and delayed[-1] == 0 and sum(delayed) < 14, delayed
+    assert histories and all(torch.isfinite(h).all() for h in histories)
+
+
 def test_delayed_scaling_refuses_torch_compile_clearly():
     net = torch.nn.Linear(64, 32)
     policy = FP8.with_fp8_recipe(scaling="delayed")

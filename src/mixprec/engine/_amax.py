@@ -12,7 +12,7 @@ weight into the same tensor and keeps its version counter, so the version alone 
             pending = all_reduce(pending, MAX, group)      if a process group is given
             history = history[1:] + [pending]; pending = 0; filled += 1
         current = amax(t)
-        pending[row] = max(pending[row], current)
+        pending[row] = max(pending[row], current)                   if current is finite (an overflow: skipped)
         amax used = max(history[row])  if filled                                  # the delayed scale
                     current                 otherwise (each rank its own)          # the first step: dynamic
 
@@ -87,9 +87,11 @@ class Site:
         self.version = version
 
     def amax(self, row: int, current: torch.Tensor) -> torch.Tensor:
-        """The amax a tensor of ``row`` is scaled by this step, given its own ``current`` amax (recorded)."""
+        """The amax a tensor of ``row`` is scaled by this step, given its own ``current`` amax (recorded where it
+        is finite: an overflow, which the GradScaler skips the step for, leaves no inf or NaN in the history)."""
         current = current.detach().float()
-        self.pending[row] = torch.maximum(self.pending[row], current)
+        pending = self.pending[row]
+        self.pending[row] = torch.where(current.isfinite(), torch.maximum(pending, current), pending)
         if self.filled:
             steps = min(self.filled, self.history.shape[1])
             return self.history[row, -steps:].amax()

@@ -12,6 +12,7 @@ For ``y = x @ w.t() + b`` (``x`` flattened to 2-D, ``M x K``; ``w`` is ``N x K``
 
     quantise(t, format): scale = finfo(format).max / max(amax(t), eps)   [rounded down to 2**k: power_of_2]
                          q = clamp(t * scale, ±finfo(format).max).to(format), and 1/scale for _scaled_mm
+                         (delayed: an inf in t becomes NaN, not the largest value: the GradScaler sees it)
 
 Tensorwise scaling takes one amax per tensor; rowwise one per row of each GEMM operand along the contracted
 dimension, so each GEMM requantises its operands from the high-precision tensors saved in forward.
@@ -44,6 +45,7 @@ from mixprec.policies._format import FORMATS
 from mixprec.policies._recipe import Fp8Recipe
 
 ALIGNMENT = 16  # every GEMM dimension a multiple of this (CUDA's rule)
+_NAN = float("nan")
 
 
 def format_dtype(name: str) -> torch.dtype:
@@ -76,8 +78,12 @@ def quantise(
         amax = site.amax(row, amax)
     factor = scale(amax, dtype, recipe)
     limit = torch.finfo(dtype).max
-    q = (t.detach().float() * factor).clamp(-limit, limit).to(dtype).contiguous()  # (row-major whatever t's strides)
-    return q, factor.reciprocal()
+    scaled = t.detach().float() * factor
+    q = scaled.clamp(-limit, limit)
+    if site is not None:  # a delayed scale is finite whatever t holds: an inf must not saturate but turn NaN (the
+        q = torch.where(scaled.isinf(), _NAN, q)  # cast saturates e4m3's), so the GradScaler skips the step; a
+        # dynamic scale makes an inf NaN already (its amax is inf: inf * 0)
+    return q.to(dtype).contiguous(), factor.reciprocal()  # (row-major whatever t's strides)
 
 
 #: A weight's quantisations: ``(id(source), the weight's view geometry, storage and dtype, fp8 dtype, recipe,
