@@ -835,6 +835,54 @@ def test_delayed_scaling_under_a_float16_grad_scaler_skips_overflows_and_recover
     assert histories and all(torch.isfinite(h).all() for h in histories)
 
 
+@pytest.mark.parametrize("how", ["eager", "compiled", "checkpointed", "reentrant"])
+def test_a_backward_inside_the_region_quantises_no_gradient_of_a_layer_kept_out_of_fp8(how):
+    """A backward run inside the fp8 region (or the one AOTAutograd traces under the forward's state) meets the
+    kept layer's gradient GEMMs at the autocast kernels: they are cast to the region's dtype, never run in fp8;
+    a checkpoint's recompute in that backward still runs the fp8 layer's forward in fp8. Gradients equal those
+    of a backward run outside the region, and the compiled graphs hold no float8 for the kept layer."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch.utils.checkpoint import checkpoint
+
+    graphs: dict[str, str] = {}
+
+    def keep(name: str):  # type: ignore[no-untyped-def]
+        def compiler(gm, _):  # type: ignore[no-untyped-def]
+            graphs[name] = str(gm.code)
+            return gm
+
+        return compiler
+
+    def run(inside: bool) -> list[torch.Tensor]:
+        engine.reset()
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+        handle = mixprec.set_module_policy(net[0], mixprec.policies.CPU)  # kept out of fp8
+        x = torch.randn(32, 64, requires_grad=True)
+        call = net
+        if how == "compiled":
+            call = torch.compile(net, backend=aot_autograd(fw_compiler=keep("fw"), bw_compiler=keep("bw")))
+        elif how in ("checkpointed", "reentrant"):
+            call = lambda t: checkpoint(net, t, use_reentrant=how == "reentrant")  # noqa: E731
+        with _region():
+            loss = call(x).float().pow(2).sum()
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        handle.remove()
+        return [x.grad, *(p.grad for p in net.parameters())]
+
+    for a, b in zip(run(False), run(True), strict=True):
+        assert torch.equal(a, b)
+    if how == "compiled":
+        assert "float8_e5m2" in graphs["bw"]  # the fp8 layer's gradient, in its Function's backward
+        assert "float8_e4m3fn" not in graphs["bw"]  # (the kept layer's GEMMs quantised their operands so)
+    torch._dynamo.reset()
+    engine.reset()
+
+
 def test_delayed_scaling_refuses_torch_compile_clearly():
     net = torch.nn.Linear(64, 32)
     policy = FP8.with_fp8_recipe(scaling="delayed")

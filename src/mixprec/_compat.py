@@ -458,6 +458,13 @@ top_saved_tensors_hooks: Callable[[bool], Any] = torch._C._autograd._top_saved_t
 graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
 
+def in_reentrant_recompute() -> bool:
+    """Whether the autograd node running now is the reentrant checkpoint's (``CheckpointFunctionBackward``), whose
+    ``apply`` recomputes the checkpointed forward (``torch._C._current_autograd_node``, 2.10 to 2.15 alike)."""
+    node = torch._C._current_autograd_node()
+    return node is not None and node.name() == "CheckpointFunctionBackward"
+
+
 def register_optimizer_step_post_hook(hook: Callable[..., None]) -> Any:
     """``torch.optim.optimizer.register_optimizer_step_post_hook``: ``hook`` runs after every ``torch.optim``
     optimizer's ``step`` in the process (public, but not re-exported by ``torch.optim``; 2.10 to 2.15 alike)."""

@@ -120,6 +120,15 @@ def _leave(device_type: str, value: Any) -> None:
     settings.setdefault(device_type, value)
 
 
+def recomputing() -> bool:
+    """In backward: whether the code running is a checkpoint's recompute of its forward (under the non-reentrant
+    checkpoint's recomputation hooks, or in the reentrant one's backward node), not a backward op."""
+    hooks = _top_hooks(False)
+    if hooks is not None and _frame_of(hooks[0]) is not None:
+        return True
+    return _compat.in_reentrant_recompute()
+
+
 def around(device_type: str) -> _state.Setting | None:
     """The setting ops on ``device_type`` run under here: the thread's, else a recompute's, else the installed one
     (None: torch's native behaviour, also where a recompute's forward left ``NATIVE``)."""

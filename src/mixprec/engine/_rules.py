@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mixprec import _compat, _errors
-from mixprec.engine import _cast, _emulate, _fp8, _plan
+from mixprec.engine import _cast, _emulate, _fp8, _plan, _recompute
 from mixprec.policies import Category
 from mixprec.policies._category import Action
 from mixprec.policies._recipe import TENSORWISE, Fp8Recipe
@@ -141,11 +141,18 @@ def banned(category: Category, advice: str) -> Rule:
 def scaled(category: Category, recipe: Fp8Recipe) -> Rule:
     """The rule of a ``scaled_mm`` category (``fp8``) under ``recipe``: a GEMM that fp8 can run (``_fp8.as_linear``)
     runs in the plan's format with its output in the region's dtype; any other call is cast to the region's
-    dtype, as ``lower_precision_fp`` casts it."""
+    dtype, as ``lower_precision_fp`` casts it. So is every call in backward but a checkpoint's recompute (a
+    backward run inside the region, or the one AOTAutograd traces under the forward's state): an fp8 op's own
+    backward GEMMs are its Function's, and a GEMM met there is another op's gradient (a layer a module policy
+    keeps out of fp8), which must not be quantised."""
     decide = _plan.decider(category)
+    task_id = _compat.graph_task_id
 
     def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
         plan = decide(dtype, (), False, "")
+        if task_id() >= 0 and not _recompute.recomputing():
+            cast, cast_kwargs = _cast.cast_call(args, kwargs, plan.cast_to, device, True)  # type: ignore[arg-type]
+            return op(*cast, **cast_kwargs)
         return run_scaled(op, device, plan.cast_to, recipe, args, kwargs, cached=True)  # type: ignore[arg-type]
 
     rule.__name__ = category.value
