@@ -287,7 +287,8 @@ _INTERNALS = (
     "_dispatch_get_registrations_for_dispatch_key", "_dispatch_keyset_full_after", "_dispatch_key_for_device",
     "_ExcludeDispatchKeyGuard", "with_keyset=True", "._destroy()", "_top_saved_tensors_default_hooks",
     "_current_graph_task_id", "_dynamo_marked_constant", "CheckpointFunction", "add_lambda_guard",
-    "_dispatch_has_kernel_for_dispatch_key", "_op_dk", "_jit_resolve_packet",
+    "_dispatch_has_kernel_for_dispatch_key", "_op_dk", "_jit_resolve_packet", "_current_autograd_node",
+    "_get_fsdp_state", "_fsdp_param_group", "_unsharded_param",
 )
 
 

@@ -62,7 +62,17 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
     return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
 
 
-def _train(case: str, scaling: str, agree: bool) -> dict[str, Any]:
+def _train(case: str, scaling: str, agree: bool, resume: bool = False) -> dict[str, Any]:
+    """``STEPS`` steps; with ``resume``, the last one in a model made again from the model, optimizer and amax
+    histories saved before it (loaded before its first forward: FSDP2 has gathered nothing yet)."""
+    if not resume:
+        return _train_steps(case, scaling, agree, range(STEPS), None)
+    first = _train_steps(case, scaling, agree, range(STEPS - 1), None)
+    mixprec.engine.reset()  # (as a new process: no history)
+    return _train_steps(case, scaling, agree, range(STEPS - 1, STEPS), first)
+
+
+def _train_steps(case: str, scaling: str, agree: bool, steps: range, start: dict[str, Any] | None) -> dict[str, Any]:
     rank = dist.get_rank()
     base = _model()
     if case == "ddp":
@@ -80,12 +90,17 @@ def _train(case: str, scaling: str, agree: bool) -> dict[str, Any]:
         model = fully_shard(base, mesh=mesh)
     history = mixprec.AmaxHistory(base, process_group="default" if agree else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(STEPS):
+    if start is not None:
+        base.load_state_dict(start["model"])
+        optimizer.load_state_dict(start["optimizer"])
+        history.load_state_dict(start["amax"])
+    for step in steps:
         _step(model, optimizer, _data(rank, step), scaling)
-    return {"params": _full(model), "amax": history.state_dict() if case == "ddp" else {}}
+    return {"params": _full(model), "amax": history.state_dict(), "model": base.state_dict(),
+            "optimizer": optimizer.state_dict()}  # fmt: skip
 
 
-def _worker(rank: int, case: str, scaling: str, agree: bool, out_dir: str) -> None:
+def _worker(rank: int, case: str, scaling: str, agree: bool, out_dir: str, resume: bool = False) -> None:
     interface = _loopback_interface()
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
@@ -94,7 +109,8 @@ def _worker(rank: int, case: str, scaling: str, agree: bool, out_dir: str) -> No
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD_SIZE,
                             timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
     try:
-        torch.save(_train(case, scaling, agree), Path(out_dir) / f"rank{rank}.pt")
+        record = _train(case, scaling, agree, resume)
+        torch.save({"params": record["params"], "amax": record["amax"]}, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -103,8 +119,8 @@ def _worker(rank: int, case: str, scaling: str, agree: bool, out_dir: str) -> No
     os._exit(0)  # (see test_scaler_distributed: no interpreter teardown with gloo threads alive)
 
 
-def _run(case: str, scaling: str, agree: bool, tmp_path: Path) -> list[dict[str, Any]]:
-    context = mp.start_processes(_worker, args=(case, scaling, agree, str(tmp_path)), nprocs=WORLD_SIZE,
+def _run(case: str, scaling: str, agree: bool, tmp_path: Path, resume: bool = False) -> list[dict[str, Any]]:
+    context = mp.start_processes(_worker, args=(case, scaling, agree, str(tmp_path), resume), nprocs=WORLD_SIZE,
                                  join=False, start_method="spawn")  # fmt: skip
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
@@ -148,8 +164,11 @@ def test_fp8_data_parallel_training_matches_the_averaged_fp8_step(case: str, tmp
     assert all(torch.equal(a, b) for a, b in zip(records[0]["params"], records[1]["params"], strict=True))
 
 
-def test_delayed_amax_histories_agree_across_ranks_with_a_process_group(tmp_path: Path) -> None:
-    records = _run("ddp", "delayed", agree=True, tmp_path=tmp_path)
+@pytest.mark.parametrize("case", ["ddp", "fsdp2"])
+def test_delayed_amax_histories_agree_across_ranks_with_a_process_group(case: str, tmp_path: Path) -> None:
+    """Under FSDP2 the sites are FSDP2's gathered weights, not the sharded parameters the model registers (which
+    ``AmaxHistory`` is given): their group and their names are found through FSDP2."""
+    records = _run(case, "delayed", agree=True, tmp_path=tmp_path)
     histories = [r["amax"] for r in records]
     assert sorted(histories[0]) == sorted(histories[1]) and histories[0]
     for key in histories[0]:  # (this step's pending amaxes are each rank's own until the next step reduces them)
@@ -159,9 +178,25 @@ def test_delayed_amax_histories_agree_across_ranks_with_a_process_group(tmp_path
     assert all(torch.equal(a, b) for a, b in zip(records[0]["params"], records[1]["params"], strict=True))
 
 
-def test_without_a_process_group_delayed_histories_differ_between_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("case", ["ddp", "fsdp2"])
+def test_without_a_process_group_delayed_histories_differ_between_ranks(case: str, tmp_path: Path) -> None:
     """Negative control for the test above: the ranks' data differ, so their own amaxes do."""
-    records = _run("ddp", "delayed", agree=False, tmp_path=tmp_path)
+    records = _run(case, "delayed", agree=False, tmp_path=tmp_path)
     first, second = (r["amax"]["0.weight.amax_history"] for r in records)
     assert torch.equal(first[1], second[1])  # the weights are alike (DDP), so are their amaxes
     assert not torch.equal(first[0], second[0]) and not torch.equal(first[2], second[2])  # inputs, gradients
+
+
+@pytest.mark.parametrize("case", ["ddp", "fsdp2"])
+def test_delayed_training_resumes_from_saved_histories_across_ranks(case: str, tmp_path: Path) -> None:
+    """A last step run in a model made again from what was saved before it, the histories loaded before its
+    first forward (under FSDP2, before any gather made the weights its sites are keyed by), ends where the
+    uninterrupted run ends: parameters and histories."""
+    (tmp_path / "straight").mkdir()
+    (tmp_path / "resumed").mkdir()
+    straight = _run(case, "delayed", agree=True, tmp_path=tmp_path / "straight")
+    resumed = _run(case, "delayed", agree=True, tmp_path=tmp_path / "resumed", resume=True)
+    for a, b in zip(straight, resumed, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+        assert sorted(a["amax"]) == sorted(b["amax"]) and a["amax"]
+        assert all(torch.equal(a["amax"][k], b["amax"][k]) for k in a["amax"]), a["amax"]

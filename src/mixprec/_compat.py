@@ -447,6 +447,33 @@ def destroy_library(library: Any) -> None:
     library._destroy()
 
 
+# ---------------------------------------------------------------- FSDP2
+
+
+def fsdp2_unsharded(model: torch.nn.Module) -> dict[int, torch.Tensor | None]:
+    """``id(registered parameter) -> the unsharded parameter it computes with`` for each parameter ``fully_shard``
+    manages in ``model`` (None until its first all-gather makes it; every later step gathers into it). FSDP2's private structures: a module's ``_get_fsdp_state()``, its parameter groups (a list where
+    a release has ``_fsdp_param_groups``, else one ``_fsdp_param_group``) and each ``FSDPParam``'s ``sharded_param`` and
+    ``_unsharded_param``."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # (a build without torch.distributed)
+        return {}
+    out: dict[int, torch.Tensor | None] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            one = getattr(state, "_fsdp_param_group", None)
+            groups = [] if one is None else [one]
+        for group in groups:
+            for param in group.fsdp_params:
+                out[id(param.sharded_param)] = getattr(param, "_unsharded_param", None)
+    return out
+
+
 # ---------------------------------------------------------------- autograd and checkpoint
 #
 # torch/utils/checkpoint.py's private structures, the same on every supported release.

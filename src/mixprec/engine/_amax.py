@@ -166,7 +166,27 @@ def _make(weight: torch.Tensor, steps: int, version: tuple[int, int]) -> Site:
     made = Site(weakref.ref(weight, forget), version, history, torch.zeros(3, device=weight.device))
     made.group = _groups.get(key)
     _sites[key] = made
+    if _histories:
+        _adopt(weight, made)
     return made
+
+
+#: Every live ``AmaxHistory``: a site made for a weight FSDP2 gathers (not the parameter the model registers,
+#: which ``AmaxHistory`` was given) finds its group and any history loaded before the gather there.
+_histories: weakref.WeakSet[AmaxHistory] = weakref.WeakSet()
+
+
+def _adopt(weight: torch.Tensor, made: Site) -> None:
+    for owner in list(_histories):
+        for registered, unsharded in _compat.fsdp2_unsharded(owner.model).items():
+            if unsharded is weight:
+                if owner.group is not None:
+                    made.group = _groups[id(weight)] = owner.group
+                loaded = owner._loaded.pop(registered, None)
+                if loaded is not None:
+                    made.history, made.pending, made.filled = loaded
+                    made.version = (-1, -1)  # (the next call rolls the loaded pending amaxes in)
+                return
 
 
 @contextlib.contextmanager
@@ -234,23 +254,36 @@ class AmaxHistory:
                 )  # fmt: skip
             group = None if process_group == "default" else process_group
             group = torch.distributed.group.WORLD if group is None else group
+            unsharded = _compat.fsdp2_unsharded(model)
             for param in model.parameters():
-                _groups[id(param)] = group
-                if id(param) in _sites:
-                    _sites[id(param)].group = group
+                for weight in (param, unsharded.get(id(param))):  # (FSDP2 computes with the one it gathers)
+                    if weight is not None:
+                        _groups[id(weight)] = group
+                        if id(weight) in _sites:
+                            _sites[id(weight)].group = group
         self.model = model
+        self.group: Any = None if process_group is None else group
+        #: ``id(parameter)`` -> a loaded (history, pending, steps) for an FSDP2 parameter not gathered yet.
+        self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        _histories.add(self)
 
-    def _named(self) -> dict[str, tuple[torch.Tensor, Site | None]]:
-        named: dict[str, tuple[torch.Tensor, Site | None]] = {}
+    def _named(self) -> dict[str, tuple[torch.Tensor, Site | None, bool]]:
+        """Each parameter by name: the tensor its site is keyed by (FSDP2's gathered one), that site or None, and
+        whether that tensor is still to come (an FSDP2 parameter not gathered yet: the parameter stands in)."""
+        named: dict[str, tuple[torch.Tensor, Site | None, bool]] = {}
+        unsharded = _compat.fsdp2_unsharded(self.model)
         for name, param in self.model.named_parameters():
-            found = _sites.get(id(param))
-            named[name] = (param, found if found is not None and found.weight() is param else None)
+            gathered = unsharded.get(id(param))
+            weight = param if gathered is None else gathered
+            found = _sites.get(id(weight))
+            alive = found if found is not None and found.weight() is weight else None
+            named[name] = (weight, alive, id(param) in unsharded and gathered is None)
         return named
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The histories of the model's call sites that have run, as plain tensors by parameter name."""
         out = {}
-        for name, (_, found) in self._named().items():
+        for name, (_, found, _) in self._named().items():
             if found is not None:
                 out[f"{name}.amax_history"] = found.history.detach().clone()
                 out[f"{name}.amax_pending"] = found.pending.detach().clone()
@@ -287,8 +320,11 @@ class AmaxHistory:
                         expected="(3, steps), (3,), ()",
                     )
                 )
-            weight = named[name][0]
+            weight, _, to_come = named[name]
+            loaded = (history.detach().float().to(weight.device).clone(),
+                      pending.detach().float().to(weight.device).clone(), int(steps))  # fmt: skip
+            if to_come:  # (FSDP2's gathered weight does not exist yet: its site takes this when it is made)
+                self._loaded[id(weight)] = loaded
+                continue
             made = _make(weight, history.shape[1], (-1, -1))  # (the next call rolls the saved pending amaxes in)
-            made.history = history.detach().float().to(weight.device).clone()
-            made.pending = pending.detach().float().to(weight.device).clone()
-            made.filled = int(steps)
+            made.history, made.pending, made.filled = loaded
