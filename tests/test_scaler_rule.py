@@ -53,15 +53,17 @@ class Model:
             self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
             if self.hysteresis_tracker == 0:
                 backed_off = f32(self.scale * rule.backoff_factor)
-                self.scale = backed_off if rule.min_scale is None else f32(max(backed_off, rule.min_scale))
+                if rule.min_scale is not None:  # bounded, and never up (a scale already below the bound stays)
+                    backed_off = min(f32(max(backed_off, rule.min_scale)), self.scale)
+                self.scale = backed_off
         else:
             self.growth_tracker += 1
             if self.growth_tracker == rule.growth_interval:
                 self.growth_tracker = 0
                 self.hysteresis_tracker = rule.hysteresis
                 grown = f32(self.scale * rule.growth_factor)
-                if math.isfinite(grown):
-                    self.scale = grown if rule.max_scale is None else f32(min(grown, rule.max_scale))
+                if math.isfinite(grown):  # bounded, and never down (a scale already above the bound stays)
+                    self.scale = grown if rule.max_scale is None else max(f32(min(grown, rule.max_scale)), self.scale)
 
     def state(self) -> tuple[float, int, int | None]:
         return (self.scale, self.growth_tracker, self.hysteresis_tracker)
@@ -211,6 +213,7 @@ def _scaler_step(scaler: mixprec.GradScaler, found_inf: bool) -> float:
 @settings(max_examples=60, deadline=None)
 @given(rule=_rules(), init=st.floats(1.0, 1e6).map(f32), found_infs=st.lists(st.booleans(), min_size=1, max_size=25))
 def test_grad_scaler_follows_the_model(rule: ScaleRule, init: float, found_infs: list[bool]) -> None:
+    init = min(max(init, rule.min_scale or 0.0), rule.max_scale or math.inf)  # (a start outside them is refused)
     scaler = mixprec.GradScaler(
         "cpu",
         init_scale=init,
@@ -231,3 +234,31 @@ def test_grad_scaler_follows_the_model(rule: ScaleRule, init: float, found_infs:
             got = (*got[:2], model.hysteresis_tracker)
         assert got == model.state(), step
     assert [r.scale for r in scaler.history][-1] == model.scale
+
+
+def test_a_bound_stops_a_move_but_never_reverses_it():
+    """An overflow never raises the scale and a growth step never lowers it, even from a scale set past a bound
+    (``update(new_scale)``, a loaded state); a starting scale outside the bounds is refused."""
+    import mixprec
+
+    with pytest.raises(ValueError, match=r"init_scale.*min_scale, max_scale\] = \[256.0, None\]"):
+        mixprec.GradScaler("cpu", init_scale=1.0, min_scale=256.0)
+    with pytest.raises(ValueError, match="out of bounds"):
+        mixprec.GradScaler("cpu", init_scale=2.0**20, max_scale=4096.0)
+    rule = ScaleRule(2.0, 0.5, 1, min_scale=256.0, max_scale=4096.0)
+    for start, found, expected in [(8.0, True, 8.0), (512.0, True, 256.0), (2.0**20, False, 2.0**20),
+                                   (2048.0, False, 4096.0), (8.0, False, 16.0), (2.0**20, True, 2.0**19)]:  # fmt: skip
+        scale, growth, hysteresis = _tensors(start, 0, 1)
+        rule.apply(scale, growth, hysteresis, torch.tensor(float(found)))
+        assert scale.item() == expected, (start, found)
+
+
+def test_update_takes_a_one_element_tensor_of_any_shape():
+    import mixprec
+
+    scaler = mixprec.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(torch.ones(()))
+    scaler.update(torch.tensor([8.0]))
+    assert scaler.get_scale() == 8.0
+    scaler.update(torch.tensor([[16.0]]))
+    assert scaler.get_scale() == 16.0

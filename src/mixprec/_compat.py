@@ -452,8 +452,9 @@ def destroy_library(library: Any) -> None:
 
 def fsdp2_unsharded(model: torch.nn.Module) -> dict[int, torch.Tensor | None]:
     """``id(registered parameter) -> the unsharded parameter it computes with`` for each parameter ``fully_shard``
-    manages in ``model`` (None until its first all-gather makes it; every later step gathers into it). FSDP2's private structures: a module's ``_get_fsdp_state()``, its parameter groups (a list where
-    a release has ``_fsdp_param_groups``, else one ``_fsdp_param_group``) and each ``FSDPParam``'s ``sharded_param`` and
+    manages in ``model`` (None until its first all-gather makes it; every later step gathers into it).
+    FSDP2's private structures: a module's ``_get_fsdp_state()``, its parameter groups (a list where a release
+    has ``_fsdp_param_groups``, else one ``_fsdp_param_group``) and each ``FSDPParam``'s ``sharded_param`` and
     ``_unsharded_param``."""
     try:
         from torch.distributed.fsdp import FSDPModule

@@ -56,8 +56,9 @@ class GradScaler(ScalerSettings):
         growth_interval: Consecutive finite steps before the scale grows.
         enabled: If False, every method is a pass-through.
         hysteresis: Inf steps tolerated before backing off (1 = torch's behaviour).
-        min_scale: The scale never backs off below this.
-        max_scale: The scale never grows above this.
+        min_scale: The scale never backs off below this (``init_scale`` must not lie below it).
+        max_scale: The scale never grows above this (``init_scale`` must not lie above it). A scale set past
+            a bound by ``update(new_scale)`` or a loaded state stays there until a move in the bound's direction.
         allow_fp16_grads: Unscale float16 gradients instead of refusing them.
         process_group: Group over which ranks agree on found_inf (default: the
             default group when torch.distributed is initialized; False: never).
@@ -101,6 +102,7 @@ class GradScaler(ScalerSettings):
             )
         self._rule = make_rule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
         check_init_scale(init_scale)
+        self._rule.check_within("init_scale", init_scale)
         if not isinstance(allow_fp16_grads, bool):
             raise TypeError(
                 _errors.message("GradScaler allow_fp16_grads is invalid", "it must be a bool",
@@ -339,7 +341,7 @@ class GradScaler(ScalerSettings):
                 and not new_scale.requires_grad
                 and new_scale.device.type == self._device
             ):
-                scale.copy_(new_scale)
+                scale.copy_(new_scale.reshape(()))  # (a shape-[1] tensor too: one element is what counts)
             else:
                 raise ValueError(
                     _errors.message(
