@@ -82,3 +82,40 @@ def test_dropout_masks_match_between_runs():
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4)).train()
     diagnosis = diagnose((model, (torch.randn(8, 16),), None), "cpu", torch.bfloat16)
     assert all(r.max_rel_error is not None and r.max_rel_error < 2e-2 for r in diagnosis.rows)
+
+
+def test_an_in_place_op_that_overflows_is_named_the_first_to_make_an_inf():
+    """The inputs' inf/NaN are counted as the op receives them: an in-place op writes its overflow into its
+    input, and counted after the call it looked like an op that received infs, so a later op was named."""
+
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            h.mul_(1e5)  # overflows float16 here
+            return torch.exp(h.float() * 0)
+
+    torch.manual_seed(0)
+    diagnosis = diagnose((InPlace(), (torch.randn(4, 8) * 3,), None), "cpu", torch.float16)
+    assert diagnosis.first is not None and diagnosis.first.op == "torch.Tensor.mul_", diagnosis.first
+    assert diagnosis.first.nonfinite_inputs == 0 and diagnosis.first.nonfinite_outputs > 0
+
+
+def test_diagnose_leaves_the_model_as_it_found_it():
+    """The doctor's runs move no buffer (BatchNorm's statistics), gradient, random generator or amax history:
+    training after it is training without it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.2), nn.Linear(16, 4)).train()
+    marker = torch.full_like(model[0].weight, 7.0)
+    model[0].weight.grad = marker
+    buffers = [b.clone() for b in model.buffers()]
+    x = torch.randn(8, 16)
+    state = torch.get_rng_state()
+    diagnose((model, (x,), lambda out: out.float().sum()), "cpu", torch.float16)
+    assert model[0].weight.grad is marker and torch.equal(marker, torch.full_like(marker, 7.0))
+    assert all(p.grad is None for p in list(model.parameters())[1:])
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))
+    assert torch.equal(state, torch.get_rng_state())

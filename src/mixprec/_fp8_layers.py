@@ -32,7 +32,8 @@ from typing import Any
 import torch
 
 from mixprec import _autocast, _errors, _module
-from mixprec.engine import _amax, _devices, _fp8, _tables
+from mixprec._untouched import untouched
+from mixprec.engine import _devices, _fp8, _tables
 from mixprec.policies import Category, Policy
 
 #: A layer's last name component that marks a mixture-of-experts router (its logits choose the experts:
@@ -383,25 +384,12 @@ def call_sites(
 
     hooks = [h for m in model.modules() for h in (m.register_forward_pre_hook(enter),
                                                    m.register_forward_hook(leave, always_call=True))]  # fmt: skip
-    buffers = [(m, name, b, b.detach().clone()) for m in model.modules() for name, b in m._buffers.items()
-               if b is not None]  # fmt: skip
-    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     try:
-        with (
-            torch.random.fork_rng(devices=cuda),
-            _amax.preserved(),
-            _autocast.autocast(device_type, dtype=dtype, policy=policy),
-            torch.no_grad(),
-            mode,
-        ):
+        with untouched(model), _autocast.autocast(device_type, dtype=dtype, policy=policy), torch.no_grad(), mode:
             model(*args, **kwargs)
     finally:
         for hook in hooks:
             hook.remove()
-        with torch.no_grad():
-            for module, name, buffer, saved in buffers:  # (the same tensor, even where forward replaced it)
-                module._buffers[name] = buffer
-                buffer.copy_(saved)
     return CallSites(tuple(mode.sites))
 
 

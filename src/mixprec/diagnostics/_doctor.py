@@ -22,6 +22,7 @@ import torch
 
 import mixprec
 from mixprec import _errors
+from mixprec._untouched import untouched
 from mixprec.diagnostics._compare import (
     OpReport,
     Target,
@@ -147,14 +148,15 @@ def diagnose(target: Target, device: str, dtype: torch.dtype, policy: mixprec.Po
     def region() -> mixprec.autocast:
         return autocast_region(device, dtype, policy)
 
-    reference = run_once(target, contextlib.nullcontext())
-    amp = run_once(target, region())
-    rows = compare(reference, amp, dtype)
-    for row in rows:
-        if row.phase == "backward":
-            row.source = module_source(model, row.module)
-    first = first_nonfinite(rows)
-    suggestion = _suggest(target, first, region) if first is not None else None
+    with untouched(model):  # (its runs move no buffer, gradient, generator or amax history training reads)
+        reference = run_once(target, contextlib.nullcontext())
+        amp = run_once(target, region())
+        rows = compare(reference, amp, dtype)
+        for row in rows:
+            if row.phase == "backward":
+                row.source = module_source(model, row.module)
+        first = first_nonfinite(rows)
+        suggestion = _suggest(target, first, region) if first is not None else None
     name = policy.name if policy is not None else _devices.spec(device).policy
     return Diagnosis(device, dtype, name, target[2] is not None, rows, reference.nonfinite, amp.nonfinite, first,
                      suggestion)  # fmt: skip

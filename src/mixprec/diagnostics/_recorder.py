@@ -311,14 +311,15 @@ class Recorder(_Tap):
         count, created = casts.count, casts.created
         casts.casts_of = {}
         self._fp8.clear()
+        inputs = _tensors((args, kwargs))
+        received = nonfinite(inputs)  # (before the call: an in-place op writes its inf into its input)
         out = self._call(func, args, kwargs)
         if getattr(func, "__name__", "") in _SKIP:
             return out
         outputs = [t for t in _tensors(out) if t.is_floating_point()]
         if not outputs:
             return out
-        inputs = _tensors((args, kwargs))
-        self._record(func, inputs, outputs, casts.count - count, casts.created - created)
+        self._record(func, inputs, outputs, casts.count - count, casts.created - created, received)
         return out
 
     def _input_dtype(self, t: torch.Tensor) -> str:
@@ -333,7 +334,8 @@ class Recorder(_Tap):
         return str(cached or t.dtype).removeprefix("torch.")
 
     def _record(
-        self, func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], casts: int, created: int
+        self, func: Any, inputs: list[torch.Tensor], outputs: list[torch.Tensor], casts: int, created: int,
+        received: int,
     ) -> None:
         name = op_name(func)
         module = self._stack[-1] if self._stack else ""
@@ -350,7 +352,7 @@ class Recorder(_Tap):
                 output_dtypes=[_dtype_name(t) for t in outputs],
                 casts=casts,
                 cast_nonfinite=created,
-                nonfinite_inputs=nonfinite(inputs),
+                nonfinite_inputs=received,
                 nonfinite_outputs=nonfinite(outputs),
                 key=(module, name, occurrence),
                 output=kept,
