@@ -333,3 +333,35 @@ def test_explain_changes_nothing_in_the_process():
     mixprec.explain("dropout", "cpu", CPU.with_ops(fp32=["dropout", "mm"]), input_dtypes=(bf16,))
     assert _kernels.registered("cpu") == before
     assert torch.equal(torch.random.get_rng_state(), state[0]) and torch.is_autocast_enabled("cpu") is state[1]
+
+
+_A, _B = torch.rand(4, 4), torch.rand(4, 4)
+
+
+_CALLABLES = {
+    "mse_loss": (torch.nn.functional.mse_loss, (_A, _B), {}),  # (reaches broadcast_tensors first)
+    "l1_loss": (torch.nn.functional.l1_loss, (_A, _B), {}),
+    "smooth_l1_loss": (torch.nn.functional.smooth_l1_loss, (_A, _B), {}),
+    "softmin": (torch.nn.functional.softmin, (_A,), {"dim": -1}),  # (neg, then softmax)
+    "einsum": (torch.einsum, ("ij,jk->ik", _A, _B), {}),  # (a list argument; listed on CUDA only)
+    "multi_dot": (torch.linalg.multi_dot, ([_A, _B],), {}),
+}
+
+
+@pytest.mark.parametrize(
+    ("policy", "fn", "args", "kwargs"),
+    [
+        pytest.param(policy, *call, id=f"{name}-{policy}")
+        for name, call in _CALLABLES.items()
+        for policy in (["CUDA"] if name in ("einsum", "multi_dot") else ["CPU", "CUDA"])
+    ],
+)
+def test_a_python_callable_is_explained_by_the_op_that_decides_its_dtype(policy, fn, args, kwargs):
+    """A callable is explained by the first ATen call it makes that has a category (not a helper such as
+    ``broadcast_tensors`` it reaches first), and a call with a list argument is cast as the kernels cast it:
+    the dtype explain gives is the one a region gives."""
+    chosen = getattr(mixprec.policies, policy)
+    why = mixprec.explain(fn, "cpu", chosen, dtype=torch.bfloat16, example=args, example_kwargs=kwargs)
+    with mixprec.autocast("cpu", dtype=torch.bfloat16, policy=chosen, compute="native"):
+        got = fn(*args, **kwargs)
+    assert why.runs_in is got.dtype, why

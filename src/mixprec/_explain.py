@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Container
 from typing import Any, overload
 
 import torch
@@ -179,7 +180,7 @@ def explain(
         found = [t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
         input_dtypes = tuple(found) or (_float32,)
     inputs = _input_dtypes((_float32,) if input_dtypes is None else input_dtypes)
-    call = _call(asked, name, len(inputs), example is not None, args, kwargs)
+    call = _call(asked, name, len(inputs), example is not None, args, kwargs, _tables.effective(policy, device_type)[0])
     notes = []
     if call is not None and call.op.overloadpacket._qualified_op_name != _packet_of(name):
         notes.append(f"{_describe(asked)} reaches {_tables.qualified(call.op)} with these inputs")
@@ -260,15 +261,16 @@ def _describe(op: object) -> str:
 
 
 def _call(
-    asked: object, name: str, count: int, given: bool, args: tuple[Any, ...], kwargs: dict[str, Any]
+    asked: object, name: str, count: int, given: bool, args: tuple[Any, ...], kwargs: dict[str, Any],
+    listed: Container[Any],
 ) -> _explain_run.Call | None:
-    """The ATen call to run for ``asked`` (see ``_explain_run``), or None."""
+    """The ATen call to run for ``asked`` (see ``_explain_run``; a callable's first ``listed`` one), or None."""
     if callable(asked) and not isinstance(asked, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         if given:
-            return _explain_run.traced(asked, args, kwargs)
+            return _explain_run.traced(asked, args, kwargs, listed)
         for shape in _explain_run.SHAPES:
             tensors = tuple(_explain_run.Spec(shape, _float32, True) for _ in range(count))
-            found = _explain_run.traced(asked, tensors, {})
+            found = _explain_run.traced(asked, tensors, {}, listed)
             if found is not None:
                 return found
     qualified = name if "::" in name else f"aten::{name}"

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 import torch
@@ -188,17 +188,28 @@ def aten_calls(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     def value(v: Any) -> Any:
         return _spec(v.meta["val"]) if isinstance(v, torch.fx.Node) else v
 
+    def plain(v: Any) -> Any:  # (fx keeps a list argument as its immutable_list: a call gets a list, as torch's)
+        return list(v) if isinstance(v, list) and type(v) is not list else v
+
     return [
-        Call(node.target, pytree.tree_map(value, tuple(node.args)), pytree.tree_map(value, dict(node.kwargs)))
+        Call(
+            node.target,
+            tuple(plain(a) for a in pytree.tree_map(value, tuple(node.args))),
+            {k: plain(v) for k, v in pytree.tree_map(value, dict(node.kwargs)).items()},
+        )
         for node in graph.graph.nodes
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
     ]
 
 
-def traced(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
-    """The first ATen call a Python callable makes with these arguments (torch.norm(x): linalg_vector_norm)."""
+def traced(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], listed: Container[Op] = ()
+) -> Call | None:
+    """The ATen call a Python callable makes with these arguments that explains it: the first whose overload is
+    ``listed`` (has a category: ``F.mse_loss`` reaches ``broadcast_tensors`` before ``mse_loss``), else the
+    first (torch.norm(x): linalg_vector_norm)."""
     found = aten_calls(fn, args, kwargs)
-    return found[0] if found else None
+    return next((call for call in found if call.op in listed), found[0] if found else None)
 
 
 # ---------------------------------------------------------------- running it
