@@ -125,3 +125,44 @@ def test_policy_file_that_keeps_the_planted_ops_in_float32(capsys, tmp_path):
     assert result.code == 0, result.err
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["policy"] == policy.name and report["first_nonfinite"] is None
+
+
+_SCRIPT = """\
+import argparse
+import sys
+
+import torch
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--lr", type=float, default=0.1)
+ARGS = parser.parse_args()  # at module level, as training scripts do
+SEEN = list(sys.argv)
+
+
+def build():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8)), (torch.randn(4, 8),)
+
+
+def quits():
+    sys.exit(3)
+"""
+
+
+def test_a_target_sees_itself_run_as_python_would_run_it(capsys, tmp_path, monkeypatch):
+    """A TARGET file's module-level argparse reads ``[the file]`` (not mixprec's command line), a
+    ``package.module:callable`` is found in the working directory as ``python -m`` finds it, and a factory's
+    ``sys.exit`` is a one-line error with mixprec's bad-input code, not a silent exit."""
+    (tmp_path / "train_script.py").write_text(_SCRIPT)
+    out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)
+    argv = list(__import__("sys").argv)
+    by_file = run(capsys, "doctor", f"{tmp_path / 'train_script.py'}:build", "--out", str(out))
+    assert by_file.code == 0, by_file.err
+    by_module = run(capsys, "doctor", "train_script:build", "--out", str(out))
+    assert by_module.code == 0, by_module.err
+    assert __import__("train_script").SEEN == ["train_script"]
+    quitting = run(capsys, "doctor", f"{tmp_path / 'train_script.py'}:quits", "--out", str(out))
+    assert quitting.code == 2 and "called sys.exit(3)" in quitting.err and "\n" not in quitting.err.strip()
+    assert list(__import__("sys").argv) == argv  # (put back)
+    __import__("sys").modules.pop("train_script", None)

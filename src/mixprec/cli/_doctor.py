@@ -8,12 +8,13 @@ tuple of positional arguments and ``loss_fn(output)`` returns a scalar.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,34 @@ from mixprec.cli._report import write_html
 from mixprec.diagnostics import Diagnosis, OpReport, diagnose
 
 
+@contextlib.contextmanager
+def _as_target(location: str, directory: str) -> Iterator[None]:
+    """Import and call a TARGET as ``python path/to/file.py`` or ``python -m package.module`` would see itself:
+    ``sys.argv`` is ``[location]`` (a module-level argparse reads no mixprec argument) and ``directory`` (the
+    file's, or the working directory for a module) leads ``sys.path``; a ``sys.exit`` in it is bad input."""
+    argv, sys.argv = sys.argv, [location]
+    sys.path.insert(0, directory)
+    try:
+        yield
+    except SystemExit as exiting:
+        raise CliError(f"TARGET {location!r} called sys.exit({exiting.code!r}) while mixprec ran it") from None
+    finally:
+        sys.argv = argv
+        if sys.path and sys.path[0] == directory:
+            sys.path.pop(0)
+
+
+def _is_file(location: str) -> bool:
+    return location.endswith(".py") or os.sep in location or "/" in location
+
+
+def _directory(location: str) -> str:
+    """What leads ``sys.path`` for a TARGET: a file's own directory, else the working directory."""
+    return str(Path(location).resolve().parent) if _is_file(location) else os.getcwd()
+
+
 def _load_module(location: str) -> Any:
-    if location.endswith(".py") or os.sep in location or "/" in location:
+    if _is_file(location):
         path = Path(location)
         if not path.is_file():
             raise CliError(f"TARGET file {location!r} does not exist")
@@ -33,14 +60,12 @@ def _load_module(location: str) -> Any:
         if spec is None or spec.loader is None:
             raise CliError(f"TARGET file {location!r} cannot be imported as Python")
         module = importlib.util.module_from_spec(spec)
-        sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
-        try:
+        with _as_target(location, _directory(location)):  # (so the file can import its neighbours)
             spec.loader.exec_module(module)
-        finally:
-            sys.path.pop(0)
         return module
     try:
-        return importlib.import_module(location)
+        with _as_target(location, _directory(location)):  # (as python -m finds a module in the working directory)
+            return importlib.import_module(location)
     except ImportError as error:
         raise CliError(f"TARGET module {location!r} cannot be imported: {error}") from None
 
@@ -56,8 +81,11 @@ def load_target(target: str) -> tuple[torch.nn.Module, tuple[Any, ...], Callable
     if not callable(factory):
         raise CliError(f"TARGET {target!r}: {name!r} is not callable (type {type(factory).__name__})")
     try:
-        made = factory()
-    except Exception as error:  # any failure of the user's factory is bad input
+        with _as_target(location, _directory(location)):
+            made = factory()
+    except Exception as error:  # any failure of the user's factory is bad input (CliError: its sys.exit)
+        if isinstance(error, CliError):
+            raise
         raise CliError(f"TARGET {target!r} raised {type(error).__name__}: {error}".replace("\n", " ")) from None
     if not isinstance(made, tuple) or len(made) not in (2, 3):
         raise CliError(
