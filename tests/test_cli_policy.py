@@ -71,3 +71,27 @@ def test_policy_file_with_custom_ops_needs_their_module(capsys, tmp_path):
     assert "1 ops differ" in result.out and "mixprec_cli_test::rotary" in result.out
     missing = run(capsys, "policy", "show", str(policy), "--import", "no_such_module_here")
     assert missing.code == 2 and "--import 'no_such_module_here'" in missing.err
+
+
+def test_show_and_diff_include_the_fp8_recipe(capsys, tmp_path):
+    """A policy's fp8 recipe is policy data too: ``show`` prints it and ``diff`` compares it (two policies
+    with the same ops, one delayed, used to read "the same"); columns are named by the arguments where the
+    policies share a name (``with_ops`` keeps the base's)."""
+    path = tmp_path / "fp8_delayed.toml"
+    path.write_text(mixprec.policies.FP8.with_fp8_recipe(scaling="delayed", history=4).to_toml())
+    shown = run(capsys, "policy", "show", str(path))
+    assert shown.code == 0 and "fp8 recipe: scaling='delayed'" in shown.out and "history=4" in shown.out
+    compared = run(capsys, "policy", "diff", "FP8", str(path))
+    assert compared.code == 0 and "fp8 recipes differ: FP8 vs " in compared.out
+    assert "'tensorwise'" in compared.out and "'delayed'" in compared.out and "16" in compared.out
+    plain = run(capsys, "policy", "show", "CPU")
+    assert "fp8 recipe" not in plain.out
+
+
+def test_explain_answers_for_a_device_this_machine_lacks_and_under_a_named_policy(capsys):
+    cuda = run(capsys, "policy", "explain", "softmax", "--device", "cuda")
+    assert cuda.code == 0 and "softmax under cuda autocast to float16, policy CUDA" in cuda.out.replace("\n", " ")
+    fp8 = run(capsys, "policy", "explain", "linear", "--policy", "FP8")
+    assert fp8.code == 0 and "policy FP8: fp8" in fp8.out.replace("\n", " ")
+    unknown = run(capsys, "policy", "explain", "softmax", "--device", "tpu")
+    assert unknown.code == 2 and "unknown device 'tpu'" in unknown.err

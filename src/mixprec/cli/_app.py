@@ -94,13 +94,16 @@ def policy_diff(
 @policy_app.command("explain")
 def policy_explain(
     op: Annotated[str, typer.Argument(help="An op name, e.g. softmax or aten::mm.")],
-    device: Device = "cpu",
+    device: Annotated[str, typer.Option("--device", help="Device type (any mixprec knows; nothing runs there).")] = (
+        "cpu"
+    ),
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="bfloat16 or float16.")] = None,  # noqa: UP045
+    policy: Annotated[Optional[str], typer.Option("--policy", help="A policy name or TOML file.")] = None,  # noqa: UP045
 ) -> None:
     """Why autocast runs OP in the dtype it does."""
     from mixprec.cli._policy_cmd import explain
 
-    explain(op, device, dtype)
+    explain(op, device, dtype, policy)
 
 
 @policy_app.command("layers")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,11 @@ def show(device: str) -> None:
         ops = policy.ops(category.value)
         if ops:
             table.add_row(category.value, str(len(ops)), ", ".join(ops))
-    _console().print(table)
+    console = _console()
+    console.print(table)
+    if policy.ops("fp8"):
+        fields = ", ".join(f"{k}={v!r}" for k, v in dataclasses.asdict(policy.fp8_recipe).items())
+        console.print(f"fp8 recipe: {fields}", highlight=False, markup=False)
 
 
 def diff(a: str, b: str) -> None:
@@ -84,27 +89,43 @@ def diff(a: str, b: str) -> None:
     from rich.table import Table
 
     first, second = resolve(a), resolve(b)
+    names = (first.name, second.name) if first.name != second.name else (a, b)  # (with_ops keeps the base's name)
     changed = first.diff(second)
+    recipes = {
+        field: (getattr(first.fp8_recipe, field), getattr(second.fp8_recipe, field))
+        for field in (f.name for f in dataclasses.fields(first.fp8_recipe))
+        if getattr(first.fp8_recipe, field) != getattr(second.fp8_recipe, field)
+    }
     console = _console()
     if not changed:
-        console.print(f"{first.name} and {second.name} put every op in the same category.")
-        return
-    table = Table(title=f"{len(changed)} ops differ: {first.name} vs {second.name}")
-    table.add_column("op")
-    table.add_column(first.name)
-    table.add_column(second.name)
-    for op, (left, right) in changed.items():
-        table.add_row(op, left or "(unlisted)", right or "(unlisted)")
-    console.print(table)
+        console.print(f"{names[0]} and {names[1]} put every op in the same category.", highlight=False, markup=False)
+    else:
+        table = Table(title=f"{len(changed)} ops differ: {names[0]} vs {names[1]}")
+        table.add_column("op")
+        table.add_column(names[0])
+        table.add_column(names[1])
+        for op, (left, right) in changed.items():
+            table.add_row(op, left or "(unlisted)", right or "(unlisted)")
+        console.print(table)
+    if recipes:
+        table = Table(title=f"fp8 recipes differ: {names[0]} vs {names[1]}")
+        table.add_column("field")
+        table.add_column(names[0])
+        table.add_column(names[1])
+        for field, (left, right) in recipes.items():
+            table.add_row(field, repr(left), repr(right))
+        console.print(table)
 
 
-def explain(op: str, device: str, dtype: str | None) -> None:
-    """Why autocast runs ``op`` as it does, for float32 inputs and for inputs already in the low dtype."""
+def explain(op: str, device: str, dtype: str | None, policy_name: str | None = None) -> None:
+    """Why autocast runs ``op`` as it does under ``policy_name`` (default: the device's), for float32 inputs and
+    for inputs already in the low dtype. Any device mixprec knows: explain runs nothing there."""
     import mixprec
 
-    device = device_type(device)
+    if device not in _devices.DEVICES:
+        device_type(device)  # (its error: the devices mixprec knows)
     low = low_dtype(device, dtype)
-    policy = resolve(device)
+    policy = resolve(policy_name if policy_name is not None else device)
     try:
         answers = [
             mixprec.explain(op, device, policy, dtype=low, input_dtypes=(inputs,)) for inputs in (_float32(), low)
