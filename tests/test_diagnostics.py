@@ -119,3 +119,22 @@ def test_diagnose_leaves_the_model_as_it_found_it():
     assert all(p.grad is None for p in list(model.parameters())[1:])
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))
     assert torch.equal(state, torch.get_rng_state())
+
+
+def test_an_inf_float32_makes_too_is_not_blamed_on_autocast():
+    """An op whose inf/NaN the float32 run makes as well did not produce it under autocast: when every inf/NaN
+    is such, the doctor names where they appear but suggests no module policy (none can fix it) and says so."""
+
+    class Log(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.log(self.lin(x) * 0)  # -inf in float32 as in float16
+
+    torch.manual_seed(0)
+    diagnosis = diagnose((Log(), (torch.randn(4, 8),), None), "cpu", torch.float16)
+    assert diagnosis.nonfinite_reference == diagnosis.nonfinite_autocast > 0
+    assert diagnosis.first is not None and not diagnosis.first.produced_nonfinite
+    assert diagnosis.suggestion is None

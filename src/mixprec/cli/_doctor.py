@@ -187,6 +187,11 @@ def _summary(diagnosis: Diagnosis) -> list[str]:
         f"First inf/NaN: {first.op} (op #{first.index}, {first.phase}) in module "
         f"{first.module or '(model)'!r} at {short(first.source)}",
     ]
+    if not first.produced_nonfinite and diagnosis.nonfinite_autocast <= diagnosis.nonfinite_reference:
+        lines.append(
+            f"float32 makes as many ({diagnosis.nonfinite_reference}): not autocast's doing, and no module "
+            "policy fixes it; look at the model or its inputs"
+        )
     suggestion = diagnosis.suggestion
     if suggestion is not None:
         verdict = "fixes it: no inf/NaN left" if suggestion.fixes else f"still {suggestion.nonfinite_after} inf/NaN"

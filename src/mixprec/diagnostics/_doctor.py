@@ -156,7 +156,9 @@ def diagnose(target: Target, device: str, dtype: torch.dtype, policy: mixprec.Po
             if row.phase == "backward":
                 row.source = module_source(model, row.module)
         first = first_nonfinite(rows)
-        suggestion = _suggest(target, first, region) if first is not None else None
+        # where float32 makes as many (no op made one that float32 did not), no module policy can fix it
+        blameless = first is not None and not first.produced_nonfinite and amp.nonfinite <= reference.nonfinite
+        suggestion = _suggest(target, first, region) if first is not None and not blameless else None
     name = policy.name if policy is not None else _devices.spec(device).policy
     return Diagnosis(device, dtype, name, target[2] is not None, rows, reference.nonfinite, amp.nonfinite, first,
                      suggestion)  # fmt: skip
