@@ -67,13 +67,16 @@ The cast cache: a ``lower_precision_fp`` cast of a float32 leaf that
 requires grad (not a view) is made once and reused while the cache lives
 (torch's cache is keyed by the weight alone, mixprec's by weight and dtype).
 There are three caches, as documented in ``docs/design.md``: an op with a
-mixprec kernel (one registered for some setting the program entered) uses
-mixprec's while a mixprec level is open (a mixprec region or a module-policy
-level), if the cache flag is on and grad is enabled; it is dropped when the last
-mixprec level closes. Outside mixprec levels, such an op uses mixprec's mirror of
-torch's cache. Any other op uses torch's own. Torch's cache and the mirror follow
-torch's rule: on with the cache flag, also under ``no_grad`` (their copies carry
-autograd history even there), keyed by the weight alone, and dropped when
+mixprec kernel (one registered for some setting the program entered) that the
+setting in force changes or emulates uses mixprec's while a mixprec level is
+open (a mixprec region or a module-policy level), if the cache flag is on and
+grad is enabled; it is dropped when the last mixprec level closes. Outside
+mixprec levels such an op uses mixprec's mirror of torch's cache, keyed there by
+weight and dtype. An op with a mixprec kernel that the setting runs as native
+(torch's category, native compute; or no setting) uses the mirror keyed by the
+weight alone, as if it had no kernel. Any other op uses torch's own. Torch's
+cache and the mirror follow torch's rule: on with the cache flag, also under
+``no_grad`` (their copies carry autograd history even there), and dropped when
 torch's nesting returns to 0.
 """
 
@@ -345,6 +348,7 @@ class _State:
     mixprec_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
     torch_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)
     mirror_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)  # mixprec's of torch's
+    exact_cache: dict[Any, torch.Tensor] = dataclasses.field(default_factory=dict)  # the mirror's by-dtype entries
     kernels: set[Any] = dataclasses.field(default_factory=set)  # overloads with a mixprec kernel
 
 
@@ -443,6 +447,7 @@ class Reference:
             if opened_torch and s.torch_nesting == 0:
                 s.torch_cache.clear()
                 s.mirror_cache.clear()
+                s.exact_cache.clear()
 
     @staticmethod
     def _eligible(t: Any) -> bool:
@@ -486,7 +491,7 @@ class Reference:
             return op(*args, **kwargs)
         first = args[0] if args else next(iter(kwargs.values()), None)
         if found == "lower_precision_fp":
-            cast_args, cast_kwargs = self._cast_all(args, kwargs, s.dtype, weights=self._cache_for(op))
+            cast_args, cast_kwargs = self._cast_all(args, kwargs, s.dtype, weights=self._cache_for(op, setting))
             if setting is not None and setting.emulate:
                 return self._emulated(op, cast_args, cast_kwargs, s.dtype)
             return op(*cast_args, **cast_kwargs)
@@ -580,13 +585,19 @@ class Reference:
 
         return Replay(graph).run(*[flat[i] for i in slots])
 
-    def _cache_for(self, op: Any) -> dict[Any, torch.Tensor] | None:
+    def _cache_for(self, op: Any, setting: _Setting | None) -> dict[Any, torch.Tensor] | None:
+        """The cache a ``lower_precision_fp`` op's weights go through (see the module)."""
         s = self.state
-        if op in s.kernels and s.mixprec_levels > 0:
-            return s.mixprec_cache if s.cache_flag and torch.is_grad_enabled() else None
-        if op in s.kernels:
+        if op not in s.kernels:
+            return s.torch_cache if s.cache_flag else None
+        as_native = setting is None or (
+            not setting.emulate and category(setting.policy, op, self.native) == category(None, op, self.native)
+        )
+        if as_native:
             return s.mirror_cache if s.cache_flag else None
-        return s.torch_cache if s.cache_flag else None
+        if s.mixprec_levels > 0:
+            return s.mixprec_cache if s.cache_flag and torch.is_grad_enabled() else None
+        return s.exact_cache if s.cache_flag else None
 
     def _cast(self, t: torch.Tensor, to: torch.dtype, weights: dict[Any, torch.Tensor] | None) -> torch.Tensor:
         if not self._eligible(t) or t.dtype == to:
@@ -596,7 +607,8 @@ class Reference:
             # torch's cache is keyed by the weight alone (a copy cast for an outer region's dtype is
             # returned in a nested region of another dtype); mixprec's by the weight and the dtype.
             torch_cache = weights is not self.state.mixprec_cache
-            key = (id(t), None) if torch_cache else (id(t), to)
+            by_dtype = not torch_cache or weights is self.state.exact_cache
+            key = (id(t), to) if by_dtype else (id(t), None)
             if key not in weights:
                 # torch's cache records the cast's autograd history even under no_grad (a copy cached there
                 # carries the weight's gradient when reused with grad on); mixprec's is off under no_grad.

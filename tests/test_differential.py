@@ -480,3 +480,15 @@ def test_mixprec_s_cache_keeps_one_copy_per_dtype() -> None:
     region = Region("mixprec", (Call("aten::mm", (x, W)), inner), compute="emulated")
     found = _exact(Program(tuple(leaves), (region,)))
     assert [t.dtype for t in found.outputs] == [torch.bfloat16, torch.float16]
+
+
+def test_a_weight_in_a_default_region_and_in_an_emulated_region_nested_in_it() -> None:
+    """mm runs as native in the default region, so W's cast there follows torch's cache (the mirror), while the
+    emulated region nested in it casts W through mixprec's own: two copies, whose gradients sum as the engine
+    sums them (shrunk from a fuzz failure on torch 2.10)."""
+    leaves = [*_weights(), torch.linspace(-7.3, 9.1, 9).reshape(9, 1)]
+    x = Ref("leaf", 4)
+    emulated = Region("mixprec", (Call("aten::mm", (x, W)),), compute="emulated")
+    body = (Call("aten::mm", (x, W)), Region("mixprec", (emulated,), enabled=False), *(Call("aten::mm", (x, W)),) * 5)
+    found = _exact(Program(tuple(leaves), (Region("mixprec", body),)))
+    assert [t.dtype for t in found.outputs] == [torch.bfloat16] * 7
