@@ -217,6 +217,30 @@ def test_hugging_face_gradient_checkpointing_gives_native_gradients(reentrant, p
     _assert_equal(*results)
 
 
+@pytest.mark.parametrize("where", ["layer", "encoder"])
+def test_hugging_face_gradient_checkpointing_with_a_module_policy_on_a_checkpointed_layer(where):
+    # Transformers checkpoints a layer's whole call, so the policy's hook is outside the checkpoint. (Non-reentrant
+    # only: with the reentrant checkpoint, torch's own gradients of this model differ from the uncheckpointed ones
+    # in the last bits; _Holder's test above covers it.)
+    reentrant = False
+    model = _hf_model(reentrant)
+    module = model.encoder.layer[0] if where == "layer" else model.encoder
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    results = []
+    with mixprec.set_module_policy(module, MM_FP32):
+        for checkpointed in (False, True):
+            if checkpointed:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            else:
+                model.gradient_checkpointing_disable()
+            model.zero_grad(set_to_none=True)
+            with _ours():
+                out = model(input_ids=ids).last_hidden_state
+            out.float().sum().backward()
+            results.append([out.detach(), *(p.grad for p in model.parameters() if p.grad is not None)])
+    _assert_equal(*results)
+
+
 # --- checkpointing with mixprec's own features ------------------------------------------------------------
 
 
@@ -244,6 +268,42 @@ def test_checkpoint_of_a_module_with_a_module_policy(reentrant):
     _assert_equal(plain, checkpointed)
     assert plain[0].dtype is BF16
 
+
+
+class _Holder(torch.nn.Module):
+    """A module whose forward checkpoints its block (Hugging Face's decoder layers do the same)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.block, self.reentrant, self.checkpointed = _block(), reentrant, True
+
+    def forward(self, x):
+        if self.checkpointed:
+            return checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.block(x)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("inner", [False, True], ids=["alone", "with-an-inner-module-policy"])
+def test_a_module_policy_on_the_module_holding_the_checkpoint_reaches_its_recompute(reentrant, inner):
+    # The module's hook runs outside the checkpoint, so not again in the recompute: its setting is the record.
+    holder = _Holder(reentrant)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def run(checkpointed):
+        holder.checkpointed, x.grad = checkpointed, None
+        holder.zero_grad(set_to_none=True)
+        with mixprec.set_module_policy(holder, MM_FP32), contextlib.ExitStack() as stack:
+            if inner:
+                stack.enter_context(mixprec.set_module_policy(holder.block[3], mixprec.policies.CPU))
+            with _ours():
+                out = holder(x)
+            out.float().sum().backward()  # (the module policies still set: the inner one's hook reruns)
+        return [out.detach(), x.grad, *(p.grad for p in holder.parameters())]
+
+    plain = run(False)
+    assert plain[0].dtype is (BF16 if inner else F32)
+    _assert_equal(plain, run(True))
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_two_checkpoints_under_two_policies_in_one_backward(reentrant):

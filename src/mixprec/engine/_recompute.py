@@ -20,8 +20,10 @@ region opening in a checkpointed forward records the setting in force around it
 before a kernel inside it can record the region's own. Otherwise kernels record,
 which is enough: an op with no mixprec kernel runs the same in forward and in
 recompute, and if no kernel ran in a checkpointed forward, none runs in its
-recompute either. A kernel records no module policy's setting: its hook runs
-again during recompute and sets it. Under ``install``, a module entered while
+recompute either. A module policy's setting is recorded like a region's: a
+module inside the checkpoint leaves the setting around it as it enters (its
+hook runs again in the recompute and sets its own); one holding the checkpoint
+runs no hook there, and its kernels' record is what the recompute runs. Under ``install``, a module entered while
 autocast was off puts its policy on the ``torch.autocast`` regions inside it
 through the kernels (``record_module``: it may hold the checkpoint, and then
 runs no hook in the recompute; one inside the checkpoint records the setting
@@ -70,9 +72,7 @@ NATIVE: Any = object()
 
 
 def record(setting: _state.Setting) -> None:
-    """In forward: leave ``setting`` on the checkpoint running this code, if any."""
-    if setting.from_module:
-        return
+    """In forward: leave ``setting`` on the checkpoint running this code, if any and if none was left."""
     _leave(setting.device_type, setting)
 
 
