@@ -568,3 +568,47 @@ def test_a_policy_made_inside_the_compiled_function_is_refused_clearly():
 
     with pytest.raises(Exception, match=r"policy made inside the compiled function.*outside the compiled function"):
         _compile(inside)(X)
+
+
+# The decorator's wrapper and AutocastModule's forward are mixprec frames that dynamo compiles as the root.
+@pytest.mark.parametrize(
+    "settings", [{}, {"policy": mixprec.policies.CPU.with_ops(fp32=["linear"])}, {"compute": "emulated"}],
+    ids=["default", "policy", "emulated"],
+)
+@pytest.mark.parametrize("form", ["decorator", "AutocastModule"])
+def test_decorated_function_and_autocast_module_compile_with_fullgraph(form, settings):
+    if form == "decorator":
+        fn = mixprec.autocast("cpu", **settings)(lambda x: LIN(x).relu())
+    else:
+        fn = mixprec.AutocastModule(torch.nn.Sequential(LIN, torch.nn.ReLU()), "cpu", **settings)
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend=counter)(X)
+    assert counter.frame_count == 1
+    eager = fn(X)
+    assert out.dtype is eager.dtype and torch.equal(out, eager)
+
+
+def test_a_fresh_process_compiling_a_decorated_region_first_keeps_the_cpp_kernels():
+    # The first region of the process is traced with fullgraph=True: the kernels it registers are built eagerly.
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, mixprec\n"
+        "from mixprec.engine import _fastpath\n"
+        "lin, x = torch.nn.Linear(8, 8), torch.randn(4, 8)\n"
+        "fn = mixprec.autocast('cpu', policy=mixprec.policies.CPU.with_ops(fp32=['linear']))(lambda x: lin(x))\n"
+        "out = torch.compile(fn, fullgraph=True, backend='aot_eager')(x)\n"
+        "print(out.dtype, torch.equal(out, fn(x)), _fastpath.disabled_reason())\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    expected = "torch.float32 True " + str(_compat_reason())
+    assert out.stdout.strip() == expected, out.stderr
+
+
+def _compat_reason():
+    from mixprec.engine import _fastpath
+
+    _fastpath.extension()
+    return _fastpath.disabled_reason()  # None where this machine builds the C++ kernels (MIXPREC_CPP=0: that)

@@ -207,6 +207,15 @@ def skip_code(code: types.CodeType) -> None:
     skip(code)
 
 
+def without_dynamo(function: Any) -> Any:
+    """``function`` with dynamo off for every frame it calls: ``torch.compiler.disable(recursive=True)``, every
+    supported release. (A frame that dynamo runs eagerly still has dynamo compile the frames it calls.) Without
+    dynamo loaded nothing compiles, and ``function`` is returned as it is (dynamo's import is not paid)."""
+    if "torch._dynamo" not in sys.modules:
+        return function
+    return torch.compiler.disable(function, recursive=True)
+
+
 def skip_frame(reason: str) -> BaseException:
     """The exception that makes dynamo run the frame it traces eagerly: torch/_dynamo/exc.py ``SkipFrame``
     (every supported release)."""

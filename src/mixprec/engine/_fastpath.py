@@ -76,8 +76,8 @@ def extension() -> Any:
     if _loaded:
         return _loaded[0]
     with _lock:
-        if not _loaded:
-            _loaded.append(_build())
+        if not _loaded:  # (never traced: under a frame dynamo runs eagerly it would compile the build's frames)
+            _loaded.append(_compat.without_dynamo(_build)())
     return _loaded[0]
 
 

@@ -107,6 +107,15 @@ def _code_objects(module: types.ModuleType) -> Iterator[types.CodeType]:
 
 
 _kept: set[str] = set()
+#: mixprec's frames that a user compiles as the root of a trace: the decorator's wrapper and AutocastModule's
+#: forward (``torch.compile(decorated, fullgraph=True)``). Each opens a region that dynamo traces as it traces
+#: one in the user's own code, so dynamo compiles them; every other mixprec frame runs eagerly.
+_ROOTS = frozenset({("_autocast.py", "decorate_autocast"), ("_module.py", "forward")})
+
+
+def _compiled_root(code: types.CodeType) -> bool:
+    """Whether dynamo may compile ``code``, a mixprec frame, as a frame of its own (one of ``_ROOTS``)."""
+    return (code.co_filename[len(_PACKAGE):], code.co_name) in _ROOTS and code.co_filename.startswith(_PACKAGE)
 
 
 def keep_eager() -> None:
@@ -121,7 +130,8 @@ def keep_eager() -> None:
     modules = [m for name, m in list(sys.modules.items()) if name.startswith("mixprec.") and name not in _kept]
     for module in modules:
         for code in _code_objects(module):
-            _compat.skip_code(code)
+            if not _compiled_root(code):
+                _compat.skip_code(code)
         _kept.add(module.__name__)
 
 
@@ -162,7 +172,8 @@ def contact() -> None:
         return
     keep_eager()
     tx = _compat.current_translator()
-    if tx is not None and tx.output.root_tx.f_code.co_filename.startswith(_PACKAGE):
+    root = tx.output.root_tx.f_code if tx is not None else None
+    if root is not None and root.co_filename.startswith(_PACKAGE) and not _compiled_root(root):
         raise _compat.skip_frame("mixprec's own functions run eagerly")
     setattr(context, "_mixprec_entry", entry_key())  # noqa: B010 - a private mark on torch's object
     if tx is None:  # AOTAutograd or export without dynamo: no trace of ours to restore after
