@@ -287,6 +287,65 @@ def test_explicitly_disabled_unavailable_device_does_not_warn(monkeypatch: pytes
         assert not mixprec.GradScaler("cuda", enabled=False).is_enabled()
 
 
+# ------------------------------------------------------------------ device forms
+def _train_a_little(scaler: Any) -> tuple[Any, ...]:
+    """Three iterations (the second with an inf): what the scaler and the parameters end with."""
+    parts, opts = _setup(scaler)
+    for inf_in in (None, 0, None):
+        _iteration(scaler, parts, opts, inf_in)
+    return bool(scaler.is_enabled()), scaler.get_scale(), [p.detach().clone() for p in parts[0].parameters()]
+
+
+def _same_training(ours: tuple[Any, ...], theirs: tuple[Any, ...]) -> None:
+    assert ours[:2] == theirs[:2]
+    assert all(torch.equal(o, t) for o, t in zip(ours[2], theirs[2], strict=True))
+
+
+@pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu"), torch.device("cpu", 0)], ids=repr)
+def test_device_with_an_index_or_as_torch_device_trains_like_torch(device: Any) -> None:
+    kwargs = {"init_scale": 4.0, "growth_interval": 1}
+    ours = mixprec.GradScaler(device, **kwargs)
+    _same_training(_train_a_little(ours), _train_a_little(torch.amp.GradScaler(device, **kwargs)))
+    assert ours._device == "cpu" and "device='cpu'" in repr(ours)
+    # update(new_scale) checks the tensor's device type against the scaler's: "cpu" (torch compares it with
+    # the string as given, and so refuses a CPU tensor for a GradScaler("cpu:0")).
+    ours.update(torch.tensor(8.0))
+    assert ours.get_scale() == 8.0
+
+
+@pytest.mark.parametrize("device", ["cuda:0", torch.device("cuda"), torch.device("cuda", 1)], ids=repr)
+@pytest.mark.parametrize("available", [True, False])
+def test_cuda_device_forms_act_as_cuda(monkeypatch: pytest.MonkeyPatch, device: Any, available: bool) -> None:
+    torch.amp.GradScaler(device)  # torch accepts each form
+    _cuda_available(monkeypatch, available)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        scaler = mixprec.GradScaler(device)
+    assert scaler.is_enabled() is available
+    assert [str(w.message) for w in record] == ([] if available else [
+        "GradScaler disabled: device 'cuda' is not available on this machine."
+    ])
+    assert scaler._device == "cuda"
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [("tpu", ValueError), ("cpu:x", ValueError), ("CPU", ValueError), ("", ValueError), (0, TypeError),
+     (None, TypeError), (["cpu"], TypeError)],
+    ids=repr,
+)
+def test_a_bad_device_is_refused_naming_grad_scaler(bad: Any, error: type[Exception]) -> None:
+    if isinstance(bad, str):
+        with pytest.raises(RuntimeError):
+            torch.device(bad)  # not a device torch knows (torch's GradScaler stores it unchecked)
+    with pytest.raises(error, match=r"^GradScaler device is invalid") as info:
+        mixprec.GradScaler(bad)
+    assert f"Received: device={bad!r}" in str(info.value)
+    assert "autocast" not in str(info.value)
+    with pytest.raises(error, match=r"^GradScaler device is invalid"):
+        mixprec.GradScaler(bad, enabled=False)  # the device is checked even when disabled
+
+
 # ------------------------------------------------------------------ call order
 @pytest.mark.parametrize("cls", [mixprec.GradScaler, torch.amp.GradScaler])
 def test_closure_raises(cls: Any) -> None:

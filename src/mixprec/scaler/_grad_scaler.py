@@ -24,10 +24,17 @@ from typing import Any
 import torch
 
 from mixprec import _errors
-from mixprec.engine import _devices
 from mixprec.scaler import _distributed
 from mixprec.scaler._history import History, ScaleRecord
-from mixprec.scaler._settings import ORDER, ScalerSettings, ScalerStateError, check_init_scale, make_rule
+from mixprec.scaler._settings import (
+    ORDER,
+    ScalerSettings,
+    ScalerStateError,
+    check_init_scale,
+    device_available,
+    device_type,
+    make_rule,
+)
 
 __all__ = ["GradScaler", "ScaleRecord", "ScalerStateError"]
 
@@ -49,7 +56,8 @@ class GradScaler(ScalerSettings):
     Megatron-style ``hysteresis``, ``min_scale`` and ``max_scale``.
 
     Args:
-        device: Device type of the gradients ("cuda", "cpu", ...).
+        device: Device type of the gradients: "cuda", "cpu", ..., or a device such as "cuda:0" or
+            ``torch.device("cuda")`` (only its type counts: the scale is made on the first scaled tensor's device).
         init_scale: Initial scale factor.
         growth_factor: Scale multiplier after ``growth_interval`` finite steps (> 1).
         backoff_factor: Scale multiplier on an inf/NaN step (< 1).
@@ -81,7 +89,7 @@ class GradScaler(ScalerSettings):
 
     def __init__(
         self,
-        device: str = "cuda",
+        device: str | torch.device = "cuda",
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -94,7 +102,7 @@ class GradScaler(ScalerSettings):
         allow_fp16_grads: bool = False,
         process_group: Any = None,
     ) -> None:
-        spec = _devices.spec(device)
+        device = device_type(device)
         if not isinstance(enabled, bool):
             raise TypeError(
                 _errors.message("GradScaler enabled is invalid", "it must be a bool", received={"enabled": enabled},
@@ -110,7 +118,7 @@ class GradScaler(ScalerSettings):
             )
         self._device = device
         self._enabled = enabled
-        if enabled and not spec.available():  # warned once every argument is known to be valid
+        if enabled and not device_available(device):  # warned once every argument is known to be valid
             _errors.warn(
                 _errors.message("GradScaler disabled", f"device {device!r} is not available on this machine"),
                 _errors.AutocastDisabledWarning,

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from mixprec import _errors
+from mixprec.engine import _devices
 from mixprec.scaler._rule import ScaleRule
 
 ORDER = "Call scaler.scale(loss).backward(), then unscale_(optimizer) (optional), step(optimizer), update()."
@@ -26,6 +27,38 @@ class ScalerStateError(RuntimeError, AssertionError):
     Subclasses AssertionError too, so code written against torch's GradScaler
     (which asserts in some of these cases) still catches it.
     """
+
+
+_DEVICE_EXPECTED = (
+    "a device type such as 'cpu', 'cuda' or 'xpu', with or without an index ('cuda:0'), or a torch.device"
+)
+
+
+def device_type(device: object) -> str:
+    """The device type of ``device``, in any form torch.amp.GradScaler takes: ``"cuda"``, ``"cuda:0"``,
+    ``torch.device("cuda", 0)`` all give ``"cuda"`` (the scale is made on the device of the first tensor
+    scaled, so an index says nothing more)."""
+    if isinstance(device, torch.device):
+        return device.type
+    if not isinstance(device, str):
+        raise TypeError(
+            _errors.message("GradScaler device is invalid", "it must be a device string or a torch.device",
+                            received={"device": device}, expected=_DEVICE_EXPECTED)
+        )
+    try:
+        return torch.device(device).type
+    except RuntimeError:
+        raise ValueError(
+            _errors.message("GradScaler device is invalid", "it is not a device torch knows",
+                            received={"device": device}, expected=_DEVICE_EXPECTED)
+        ) from None
+
+
+def device_available(device_type: str) -> bool:
+    """Whether the device type is present on this machine, as mixprec's device table says; a type the table
+    does not list (``"meta"``, a private backend) is taken to be, as torch takes every type but CUDA."""
+    found = _devices.DEVICES.get(device_type)
+    return found is None or found.available()
 
 
 def _is_real(value: object) -> bool:
