@@ -378,3 +378,36 @@ def test_a_module_policy_keeps_regions_opened_inside_it_framed():
         assert module(A) is torch.float32
     assert module(A) is torch.bfloat16
     assert _state.get().ident not in _state.holders
+
+
+class _HalfCPU(mixprec.autocast):
+    """A subclass with parameters of its own, as torch.cpu.amp.autocast subclasses torch.autocast."""
+
+    def __init__(self, enabled=True):
+        super().__init__("cpu", dtype=torch.float16, enabled=enabled)
+
+
+class _KeywordOnly(mixprec.autocast):
+    def __init__(self, *, dtype):
+        super().__init__(device_type="cpu", dtype=dtype)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_subclass_with_its_own_parameters_works_as_torchs(compiled):
+    x = torch.randn(4, 4)
+
+    def run(x):
+        with _HalfCPU():
+            a = torch.mm(x, x)
+        with _KeywordOnly(dtype=torch.float16):
+            b = torch.mm(x, x)
+        with _HalfCPU(enabled=False):
+            c = torch.mm(x, x)
+        return a, b, c
+
+    out = torch.compile(run, fullgraph=True, backend="eager")(x) if compiled else run(x)
+    with torch.autocast("cpu", dtype=torch.float16):
+        native = torch.mm(x, x)
+    assert [t.dtype for t in out] == [torch.float16, torch.float16, torch.float32]
+    assert torch.equal(out[0], native) and torch.equal(out[1], native)
+    assert _HalfCPU() is not _HalfCPU()

@@ -78,6 +78,19 @@ class _Made(type):
         return super().__call__(device_type, dtype, enabled, cache_enabled, policy=policy, compute=compute)
 
 
+def _parameters(
+    device_type: str,
+    dtype: torch.dtype | None = None,
+    enabled: bool = True,
+    cache_enabled: bool | None = None,
+    *,
+    policy: Policy | None = None,
+    compute: str = "auto",
+) -> tuple[str, torch.dtype | None, bool, bool | None, Policy | None, str]:
+    """autocast's arguments, bound to its parameters (a TypeError where they are not its own)."""
+    return device_type, dtype, enabled, cache_enabled, policy, compute
+
+
 class _Subclass(_Made):
     """The metaclass of autocast's subclasses: objects made as any class makes them."""
 
@@ -128,19 +141,13 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
 
     _setting: _state.Setting | None
 
-    def __new__(
-        cls,
-        device_type: str,
-        dtype: torch.dtype | None = None,
-        enabled: bool = True,
-        cache_enabled: bool | None = None,
-        *,
-        policy: Policy | None = None,
-        compute: str = "auto",
-    ) -> Any:
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # (a subclass's __init__ may take other parameters)
         if _dynamo_compiling():
             # Made in compiled code: a region torch's kernels serve exactly is a torch.autocast, which dynamo
             # knows natively (graph breaks, nesting, guards); any other is this class (see mixprec.engine._compile).
+            if cls.__init__ is not autocast.__init__:  # a subclass's own parameters: its __init__ makes the region
+                return object.__new__(cls)
+            device_type, dtype, enabled, cache_enabled, policy, compute = _parameters(*args, **kwargs)
             cache = torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
             native, fast, usable, cache, _ = _compile.plan(
                 device_type, dtype, enabled, cache, _compat.to_constant(policy), compute
