@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import types
 
 import numpy as np
 import pytest
@@ -92,6 +93,27 @@ def test_cuda_namespace_signatures():
 Point = collections.namedtuple("Point", "x y")
 
 
+class _Output(collections.OrderedDict):
+    """A Hugging Face ``ModelOutput``'s shape: an OrderedDict whose items are also attributes."""
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+    def __init__(self, **items):
+        super().__init__()
+        for key, value in items.items():
+            self[key] = value
+
+
+class _List(list):
+    pass
+
+
+class _Tuple(tuple):
+    pass
+
+
 @pytest.mark.parametrize(
     ("name", "value", "check"),
     [
@@ -106,6 +128,17 @@ Point = collections.namedtuple("Point", "x y")
         ("int stays", torch.ones(1, dtype=torch.long), lambda out: out.dtype is torch.long),
         ("other device stays", torch.ones(1, device="meta"), lambda out: out.dtype is torch.float32),
         ("nested", {"a": [(torch.ones(1),)]}, lambda out: out["a"][0][0].dtype is torch.float16),
+        # Subclasses keep their type (torch's custom_fwd gives a plain dict, or the list/tuple type rebuilt).
+        ("ordered-dict", collections.OrderedDict(k=torch.ones(1)),
+         lambda out: type(out) is collections.OrderedDict and out["k"].dtype is torch.float16),
+        ("user-dict", collections.UserDict(k=torch.ones(1)),
+         lambda out: type(out) is collections.UserDict and out["k"].dtype is torch.float16),
+        ("model-output-like", _Output(logits=torch.ones(1)),
+         lambda out: type(out) is _Output and out.logits.dtype is torch.float16 and out["logits"] is out.logits),
+        ("read-only-mapping", types.MappingProxyType({"k": torch.ones(1)}),
+         lambda out: type(out) is dict and out["k"].dtype is torch.float16),
+        ("list-subclass", _List([torch.ones(1)]), lambda out: type(out) is _List and out[0].dtype is torch.float16),
+        ("tuple-subclass", _Tuple((torch.ones(1),)), lambda out: type(out) is _Tuple and out[0].dtype is torch.float16),
     ],
 )
 def test_cast_walks_containers(name, value, check):
@@ -124,9 +157,10 @@ class _Cache:
 
 @pytest.mark.parametrize(
     "value",
-    [_Cache(), iter([torch.ones(1)]), (x for x in [torch.ones(1)]), collections.OrderedDict(k=torch.ones(1)),
-     [torch.ones(1, dtype=torch.float16), "x"], {"k": 3}, range(3)],
-    ids=["custom-iterable", "iterator", "generator", "dict-subclass", "nothing-to-cast-list", "plain-dict", "range"],
+    [_Cache(), iter([torch.ones(1)]), (x for x in [torch.ones(1)]), collections.OrderedDict(k=torch.ones(1).half()),
+     [torch.ones(1, dtype=torch.float16), "x"], {"k": 3}, range(3), torch.Size([2, 3])],
+    ids=["custom-iterable", "iterator", "generator", "nothing-to-cast-dict-subclass", "nothing-to-cast-list",
+         "plain-dict", "range", "size"],
 )
 def test_cast_passes_every_other_object_through_as_the_same_object(value):
     assert cast_tree(value, "cpu", torch.float16) is value

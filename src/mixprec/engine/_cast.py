@@ -41,8 +41,10 @@ are kept here (``OwnCache``, ``MirrorCache``), with the same rules.
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -316,24 +318,37 @@ def cast_tree(value: Any, device_type: str, dtype: torch.dtype) -> Any:
     """Cast the eligible tensors in a function's argument to ``dtype``, as torch's ``custom_fwd(cast_inputs=)``
     does, without touching anything else.
 
-    Tensors are cast where they are the argument or sit (at any depth) in a list, tuple, namedtuple or dict;
-    such a container is rebuilt only if something inside it was cast, so an argument with nothing to cast is
-    passed on as the same object (an in-place append to a list argument stays visible to the caller). Every
-    other object (a cache object, a generator, a dict subclass) is passed on untouched.
+    Tensors are cast where they are the argument or sit (at any depth) in a list, tuple or mapping (their
+    subclasses too: an ``OrderedDict``, a Hugging Face ``ModelOutput``, a namedtuple). Such a container is
+    rebuilt only if something inside it was cast, as its own type where it can be (a copy with the cast
+    values, where torch's gives a plain dict), so an argument with nothing to cast is passed on as the same
+    object (an in-place append to a list argument stays visible to the caller). Every other object (a cache
+    object, a generator, a string) is passed on untouched, where torch's would turn an iterable into a generator.
     """
     if isinstance(value, _Tensor):
         return value.to(dtype) if value.dtype is not dtype and is_eligible(value, device_type) else value
     kind = type(value)
-    if kind is list or kind is tuple or (isinstance(value, tuple) and hasattr(value, "_fields")):
+    if kind is dict or (kind is not list and kind is not tuple and isinstance(value, Mapping)):
+        cast = {k: cast_tree(v, device_type, dtype) for k, v in value.items()}
+        if all(cast[k] is v for k, v in value.items()):
+            return value
+        if kind is dict or not isinstance(value, MutableMapping):
+            return cast  # (a read-only mapping: a dict, as torch's)
+        rebuilt = copy.copy(value)
+        for k, v in cast.items():
+            rebuilt[k] = v
+        return rebuilt
+    if isinstance(value, (list, tuple)):
         items = [cast_tree(v, device_type, dtype) for v in value]
         if all(new is old for new, old in zip(items, value, strict=True)):
             return value
         if kind is list or kind is tuple:
             return kind(items)
-        return kind(*items)  # a namedtuple
-    if kind is dict:
-        cast = {k: cast_tree(v, device_type, dtype) for k, v in value.items()}
-        if all(cast[k] is v for k, v in value.items()):
-            return value
-        return cast
+        if hasattr(value, "_fields"):
+            return kind(*items)  # a namedtuple
+        if isinstance(value, list):
+            rebuilt = copy.copy(value)
+            rebuilt[:] = items
+            return rebuilt
+        return kind(items)
     return value
