@@ -347,8 +347,8 @@ def cast_tree(value: Any, device_type: str, dtype: torch.dtype) -> Any:
         if hasattr(value, "_fields"):
             return kind(*items)  # a namedtuple
         if isinstance(value, list):
-            rebuilt = copy.copy(value)
-            rebuilt[:] = items
-            return rebuilt
+            copied = copy.copy(value)
+            copied[:] = items
+            return copied
         return kind(items)
     return value
