@@ -266,3 +266,69 @@ def test_export_of_nested_regions_gives_what_it_gives_for_torch_autocast(strict)
     assert [t.dtype for t in program] == [BF16, torch.float32, BF16]
     for p, e, n in zip(program, eager, native, strict=True):
         assert p.dtype is e.dtype is n.dtype and torch.equal(p, e) and torch.equal(p, n)
+
+
+def _native(fn, *args):
+    with torch.autocast("cpu", dtype=BF16):
+        return fn(*args)
+
+
+def _assert_bitwise(got, expected):
+    got, expected = torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(expected)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype is e.dtype and torch.equal(g, e)
+
+
+def _mutate_a_view_of_the_weight(x, w):
+    a = torch.mm(x, w)
+    w[0].zero_()  # select + zero_: w changes through a view
+    return a, torch.mm(x, w)
+
+
+def _mutate_the_base_of_a_view(x, w):
+    v = w.t()
+    a = torch.mm(x, v)
+    w.relu_()  # v changes with its base
+    return a, torch.mm(x, v)
+
+
+def _mutate_the_source_of_a_widened_copy(x, w):
+    y = x.float()  # x is bf16: a cast of y is a cast of x, until x changes
+    x.mul_(3)
+    return torch.mm(y, w), torch.mm(x.float(), w)
+
+
+@pytest.mark.parametrize(
+    ("fn", "dtype"),
+    [
+        (_mutate_a_view_of_the_weight, torch.float32),
+        (_mutate_the_base_of_a_view, torch.float32),
+        (_mutate_the_source_of_a_widened_copy, BF16),
+    ],
+    ids=["view-of-weight", "base-of-view", "source-of-widened-copy"],
+)
+def test_a_cast_made_before_an_in_place_op_is_not_reused_after_it(fn, dtype):
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, w = torch.randn(4, 8).to(dtype), torch.randn(8, 8)
+    low = apply_policy(make_fx(fn)(x.clone(), w.clone()), mixprec.policies.CPU, BF16)
+    _assert_bitwise(low(x.clone(), w.clone()), _native(fn, x.clone(), w.clone()))
+
+
+class _MutatesItsInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, w):
+        a = self.linear(x) @ w
+        x[:, 0] = 0.0  # select + fill_ in the exported graph; later uses read x's node again
+        w.relu_()
+        return a, self.linear(x) @ w
+
+
+def test_an_exported_graph_that_mutates_its_inputs_gives_the_native_outputs():
+    model, x, w = _MutatesItsInputs(), torch.randn(4, 8), torch.randn(8, 8)
+    low = apply_policy(torch.export.export(model, (x.clone(), w.clone())).module(), mixprec.policies.CPU, BF16)
+    _assert_bitwise(low(x.clone(), w.clone()), _native(model, x.clone(), w.clone()))

@@ -90,6 +90,7 @@ def apply_policy(
                 new.meta["val"] = _refake(fake_mode, val)
             elif node.op == "call_function":
                 new.meta["val"] = _fake_call(fake_mode, node.target, new.args, new.kwargs, node)
+            casts.note(new)
         env[node] = new
     return fx.GraphModule(gm, graph)
 
@@ -126,11 +127,14 @@ class _Rewrite:
             target, args, kwargs = self._apply(category, node, target, args, kwargs)
         new = self.casts.graph.call_function(target, args, kwargs)
         new.meta = {**node.meta}
+        effects = None
         if target is _fp8.scaled_call:  # its value is the cast call's (fp8 gives the same shape and dtype)
             op, op_args, op_kwargs, _, dtype, _ = args
+            effects = op, op_args, op_kwargs
             cast_args, cast_kwargs = self.cast_values((op_args, op_kwargs), dtype)
             target, args, kwargs = op, cast_args, cast_kwargs
         new.meta["val"] = _fake_call(self.casts.fake_mode, target, args, kwargs, node)
+        self.casts.note(new, effects)
         return new
 
     def cast_values(self, tree: Any, dtype: torch.dtype) -> Any:

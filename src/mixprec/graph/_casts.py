@@ -2,21 +2,36 @@
 
 Algorithm for ``Casts.to(node, dtype)``::
 
-    while node is a lossless widening cast of src (bf16->f32, f16->f32, ...):
+    while node is a lossless widening cast of src (bf16->f32, f16->f32, ...)
+          and nothing wrote to src or node since node was made:
         node = src                            # a cast of a widened copy equals a cast of its source
     if node's dtype is dtype: return node     # also removes cast / cast-back pairs
-    return cache.setdefault((node, dtype), new _to_copy(node, dtype=dtype))
+    if cache holds (node, dtype) and nothing wrote to node or to that cast since the cast was made:
+        return it
+    return cache[(node, dtype)] = new _to_copy(node, dtype=dtype)
 
 A widened copy represents its source exactly, so casting the source instead
 gives the same bits; narrowing casts round, so they are never skipped.
+
+Writes: every node added to the graph is ``note``d in order. A node joins the
+storage of the arguments its op's schema annotates (a view, an in-place op's
+result, an ``out=``), and an argument annotated ``!`` is written, with all that
+shares its storage: its base and the base's other views. The graph's inputs
+(placeholders, attributes) may alias one another, so they share one storage. A
+call that is no ATen op (a higher-order op, a Python function) may alias and
+write every tensor it is given. So a cast made before an in-place op is never
+reused after it, as eager autocast casts again at each call (its own cache keeps
+only weights' casts, and mixprec's drops one when the weight's version moves).
 """
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 aten = torch.ops.aten
 
@@ -49,24 +64,106 @@ def dtype_of(node: Any) -> torch.dtype | None:
 
 
 class Casts:
-    """Inserts ``aten._to_copy`` casts into ``graph``, one per (tensor, dtype)."""
+    """Inserts ``aten._to_copy`` casts into ``graph``, one per (tensor, dtype) between writes to the tensor."""
 
     def __init__(self, graph: fx.Graph, fake_mode: Any) -> None:
         self.graph = graph
         self.fake_mode = fake_mode
         self.cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self._tick = 0
+        self._made: dict[fx.Node, int] = {}  # node -> when it was noted
+        self._storage: dict[Any, Any] = {}  # union-find: node (or _INPUTS) -> a node sharing its storage
+        self._written: dict[Any, int] = {}  # a storage's root -> when it was last written
+
+    def note(self, node: fx.Node, effects: tuple[Any, ...] | None = None) -> None:
+        """Record ``node``, just added to the graph: its storage and its writes. ``effects``: (target, args,
+        kwargs) whose schema says them, where the node calls something else for an op (``_fp8.scaled_call``)."""
+        self._tick += 1
+        self._made[node] = self._tick
+        target, args, kwargs = effects if effects is not None else (node.target, node.args, node.kwargs)
+        aliased: list[Any]
+        written: list[fx.Node]
+        if node.op in ("placeholder", "get_attr"):
+            aliased, written = [_INPUTS], []
+        elif node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+            aliased, written = _schema_effects(target, args, kwargs)
+        elif node.op == "call_function" and target is operator.getitem:
+            aliased, written = _tensors(args[0]), []
+        elif node.op == "output":
+            aliased, written = [], []
+        else:
+            aliased = written = _tensors((args, kwargs))
+        for other in aliased:
+            self._union(node, other)
+        for other in written:
+            self._written[self._root(other)] = self._tick
 
     def to(self, node: fx.Node, dtype: torch.dtype) -> fx.Node:
         """``node`` as ``dtype``: itself, an existing cast, or one new cast node."""
         source = cast_source(node)
-        while source is not None and dtype_of(node) in _WIDER.get(dtype_of(source), ()):  # type: ignore[arg-type]
+        while (
+            source is not None
+            and dtype_of(node) in _WIDER.get(dtype_of(source), ())  # type: ignore[arg-type]
+            and self._unwritten(node, since=node)
+            and self._unwritten(source, since=node)
+        ):
             node, source = source, cast_source(source)
         if dtype_of(node) is dtype:
             return node
         key = (node, dtype)
         hit = self.cache.get(key)
-        if hit is None:
+        if hit is None or not (self._unwritten(node, since=hit) and self._unwritten(hit, since=hit)):
             hit = self.cache[key] = self.graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
             with self.fake_mode:
                 hit.meta["val"] = node.meta["val"].to(dtype)
+            self.note(hit)
         return hit
+
+    def _unwritten(self, node: fx.Node, since: fx.Node) -> bool:
+        """Whether nothing wrote to ``node``'s storage after ``since`` was noted."""
+        last = self._written.get(self._root(node))
+        return last is None or last < self._made.get(since, 0)
+
+    def _root(self, node: Any) -> Any:
+        parent = self._storage.get(node, node)
+        while parent is not node:
+            grand = self._storage.get(parent, parent)
+            self._storage[node] = grand
+            node, parent = parent, grand
+        return node
+
+    def _union(self, a: Any, b: Any) -> None:
+        ra, rb = self._root(a), self._root(b)
+        if ra is not rb:
+            self._storage[ra] = rb
+            self._written[rb] = max(self._written.pop(ra, 0), self._written.get(rb, 0))
+
+
+_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+#: The storage all the graph's inputs share: two of them may be the same tensor, or views of one.
+_INPUTS = object()
+
+
+def _schema_effects(op: torch._ops.OpOverload, args: Any, kwargs: Any) -> tuple[list[fx.Node], list[fx.Node]]:
+    """The nodes a call of ``op`` may alias (every argument its schema annotates) and those it writes (``!``)."""
+    aliased: list[fx.Node] = []
+    written: list[fx.Node] = []
+    for i, argument in enumerate(op._schema.arguments):
+        info = argument.alias_info
+        if info is None:
+            continue
+        nodes = _tensors(args[i] if i < len(args) else kwargs.get(argument.name))
+        aliased += nodes
+        if info.is_write:
+            written += nodes
+    return aliased, written
+
+
+def _tensors(tree: Any) -> list[fx.Node]:
+    """The nodes in ``tree`` that may hold tensors (a value of another type, such as a SymInt, cannot)."""
+    return [
+        n
+        for n in pytree.tree_leaves(tree)
+        if isinstance(n, fx.Node) and not isinstance(n.meta.get("val"), _SCALARS)
+    ]
