@@ -227,6 +227,19 @@ def _iteration(scaler: Any, parts: list[nn.Linear], optimizers: list, inf_in: in
     scaler.update()
 
 
+def _train_a_little(scaler: Any) -> tuple[Any, ...]:
+    """Three iterations (the second with an inf): what the scaler and the parameters end with."""
+    parts, opts = _setup(scaler)
+    for inf_in in (None, 0, None):
+        _iteration(scaler, parts, opts, inf_in)
+    return bool(scaler.is_enabled()), scaler.get_scale(), [p.detach().clone() for p in parts[0].parameters()]
+
+
+def _same_training(ours: tuple[Any, ...], theirs: tuple[Any, ...]) -> None:
+    assert ours[:2] == theirs[:2]
+    assert all(torch.equal(o, t) for o, t in zip(ours[2], theirs[2], strict=True))
+
+
 # ------------------------------------------------------------------ enabled=False
 def test_disabled_scaler_is_a_pass_through() -> None:
     scaler = mixprec.GradScaler("cpu", enabled=False)
@@ -254,6 +267,77 @@ def test_disabled_scaler_is_a_pass_through() -> None:
     assert pickle.loads(pickle.dumps(scaler)).state_dict() == {}
     theirs = torch.amp.GradScaler("cpu", enabled=False)
     assert theirs.get_scale() == scaler.get_scale() and theirs.state_dict() == scaler.state_dict()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"growth_factor": 1.0},
+        {"growth_interval": 0},
+        {"backoff_factor": 2.0},
+        {"init_scale": -1.0},
+        {"growth_factor": "2"},
+        {"hysteresis": 0},
+        {"min_scale": 8.0, "max_scale": 4.0},
+        {"allow_fp16_grads": "yes"},
+    ],
+    ids=repr,
+)
+def test_disabled_scaler_checks_no_other_argument_like_torch(kwargs: dict[str, Any]) -> None:
+    """A run without loss scaling (e.g. bfloat16) may pass settings meant for none: torch ignores them."""
+    torch_kwargs = {k: v for k, v in kwargs.items() if k in ("growth_factor", "growth_interval", "backoff_factor",
+                                                             "init_scale")}
+    theirs = torch.amp.GradScaler("cpu", enabled=False, **torch_kwargs)
+    ours = mixprec.GradScaler("cpu", enabled=False, **kwargs)
+    assert ours.is_enabled() is theirs.is_enabled() is False
+    (part,), (opt,) = _setup(ours)
+    loss = part(torch.ones(1, 3)).sum()
+    assert ours.scale(loss) is loss
+    loss.backward()
+    ours.step(opt)
+    ours.update()
+    assert ours.get_scale() == theirs.get_scale() == 1.0 and ours.state_dict() == theirs.state_dict() == {}
+    with pytest.raises((TypeError, ValueError), match=f"Received: {next(iter(kwargs))}="):
+        mixprec.GradScaler("cpu", **kwargs)  # enabled, each is checked
+
+
+class _StepOnly:
+    """A thin optimizer wrapper that exposes step() and nothing else."""
+
+    def step(self, *args: Any, **kwargs: Any) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        return "stepped", args, kwargs
+
+
+@pytest.mark.parametrize("cls", [mixprec.GradScaler, torch.amp.GradScaler])
+def test_disabled_scaler_passes_any_object_with_step_through(cls: Any) -> None:
+    scaler = cls("cpu", enabled=False)
+    assert scaler.unscale_(_StepOnly()) is None
+    assert scaler.step(_StepOnly(), 1, closure=None) == ("stepped", (1,), {"closure": None})
+
+
+def test_disabled_scaler_refuses_an_object_without_step() -> None:
+    with pytest.raises(AttributeError):
+        torch.amp.GradScaler("cpu", enabled=False).step(object())
+    for method in ("step", "unscale_"):
+        with pytest.raises(TypeError, match=rf"^GradScaler.{method}\(\) cannot use this optimizer: it has no step\(\)"):
+            getattr(mixprec.GradScaler("cpu", enabled=False), method)(object())
+
+
+@pytest.mark.parametrize("enabled", [1, 0, True, False], ids=repr)
+def test_enabled_takes_an_int_like_torch(enabled: Any) -> None:
+    """argparse's ``type=int`` gives 1 or 0."""
+    kwargs = {"init_scale": 4.0, "growth_interval": 1, "enabled": enabled}
+    ours = mixprec.GradScaler("cpu", **kwargs)
+    assert ours.is_enabled() is bool(enabled)
+    _same_training(_train_a_little(ours), _train_a_little(torch.amp.GradScaler("cpu", **kwargs)))
+
+
+@pytest.mark.parametrize("bad", ["False", None, 1.0], ids=repr)
+def test_enabled_refuses_what_is_not_a_bool_or_an_int(bad: Any) -> None:
+    """torch reads these by truth (the string "False" enables it): mixprec refuses them."""
+    with pytest.raises(TypeError, match=r"^GradScaler enabled is invalid") as info:
+        mixprec.GradScaler("cpu", enabled=bad)
+    assert f"Received: enabled={bad!r}" in str(info.value)
 
 
 # ------------------------------------------------------------------ unavailable device
@@ -288,19 +372,6 @@ def test_explicitly_disabled_unavailable_device_does_not_warn(monkeypatch: pytes
 
 
 # ------------------------------------------------------------------ device forms
-def _train_a_little(scaler: Any) -> tuple[Any, ...]:
-    """Three iterations (the second with an inf): what the scaler and the parameters end with."""
-    parts, opts = _setup(scaler)
-    for inf_in in (None, 0, None):
-        _iteration(scaler, parts, opts, inf_in)
-    return bool(scaler.is_enabled()), scaler.get_scale(), [p.detach().clone() for p in parts[0].parameters()]
-
-
-def _same_training(ours: tuple[Any, ...], theirs: tuple[Any, ...]) -> None:
-    assert ours[:2] == theirs[:2]
-    assert all(torch.equal(o, t) for o, t in zip(ours[2], theirs[2], strict=True))
-
-
 @pytest.mark.parametrize("device", ["cpu:0", torch.device("cpu"), torch.device("cpu", 0)], ids=repr)
 def test_device_with_an_index_or_as_torch_device_trains_like_torch(device: Any) -> None:
     kwargs = {"init_scale": 4.0, "growth_interval": 1}

@@ -26,10 +26,12 @@ import torch
 from mixprec import _errors
 from mixprec.scaler import _distributed
 from mixprec.scaler._history import History, ScaleRecord
+from mixprec.scaler._rule import ScaleRule
 from mixprec.scaler._settings import (
     ORDER,
     ScalerSettings,
     ScalerStateError,
+    check_enabled,
     check_init_scale,
     device_available,
     device_type,
@@ -62,7 +64,8 @@ class GradScaler(ScalerSettings):
         growth_factor: Scale multiplier after ``growth_interval`` finite steps (> 1).
         backoff_factor: Scale multiplier on an inf/NaN step (< 1).
         growth_interval: Consecutive finite steps before the scale grows.
-        enabled: If False, every method is a pass-through.
+        enabled: If False (or 0), every method is a pass-through and the other arguments are not checked, as
+            in torch.
         hysteresis: Inf steps tolerated before backing off (1 = torch's behaviour).
         min_scale: The scale never backs off below this (``init_scale`` must not lie below it).
         max_scale: The scale never grows above this (``init_scale`` must not lie above it). A scale set past
@@ -103,19 +106,21 @@ class GradScaler(ScalerSettings):
         process_group: Any = None,
     ) -> None:
         device = device_type(device)
-        if not isinstance(enabled, bool):
-            raise TypeError(
-                _errors.message("GradScaler enabled is invalid", "it must be a bool", received={"enabled": enabled},
-                                expected="True or False")
-            )
-        self._rule = make_rule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
-        check_init_scale(init_scale)
-        self._rule.check_within("init_scale", init_scale)
-        if not isinstance(allow_fp16_grads, bool):
-            raise TypeError(
-                _errors.message("GradScaler allow_fp16_grads is invalid", "it must be a bool",
-                                received={"allow_fp16_grads": allow_fp16_grads}, expected="True or False")
-            )
+        enabled = check_enabled(enabled)
+        if enabled:
+            self._rule = make_rule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+            check_init_scale(init_scale)
+            self._rule.check_within("init_scale", init_scale)
+            if not isinstance(allow_fp16_grads, bool):
+                raise TypeError(
+                    _errors.message("GradScaler allow_fp16_grads is invalid", "it must be a bool",
+                                    received={"allow_fp16_grads": allow_fp16_grads}, expected="True or False")
+                )
+            init_scale = float(init_scale)
+        else:
+            # As torch's: a disabled scaler passes everything through and checks no setting (a run without loss
+            # scaling may hand it ones meant for none). They are kept as given, for the getters and repr.
+            self._rule = ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
         self._device = device
         self._enabled = enabled
         if enabled and not device_available(device):  # warned once every argument is known to be valid
@@ -124,7 +129,7 @@ class GradScaler(ScalerSettings):
                 _errors.AutocastDisabledWarning,
             )
             self._enabled = False
-        self._init_scale = float(init_scale)
+        self._init_scale = init_scale
         self._init_growth_tracker = 0
         self._init_hysteresis_tracker = hysteresis
         self._scale: torch.Tensor | None = None
@@ -228,7 +233,7 @@ class GradScaler(ScalerSettings):
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale (at most once per step), recording inf/NaN."""
-        _check_optimizer("unscale_", optimizer)
+        _check_optimizer("unscale_", optimizer, self._enabled)
         if not self._enabled:
             return
         scale = self._require_scale("unscale_")
@@ -252,7 +257,7 @@ class GradScaler(ScalerSettings):
         Returns what ``optimizer.step`` returned, or None if the step was skipped;
         :attr:`last_step_skipped` tells which.
         """
-        _check_optimizer("step", optimizer)
+        _check_optimizer("step", optimizer, self._enabled)
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
@@ -417,16 +422,22 @@ def _any(flags: list[torch.Tensor | bool]) -> torch.Tensor | bool:
     return combined | plain
 
 
-def _check_optimizer(method: str, optimizer: object) -> None:
-    if not hasattr(optimizer, "param_groups") or not callable(getattr(optimizer, "step", None)):
-        raise TypeError(
-            _errors.message(
-                f"GradScaler.{method}() cannot use this optimizer",
-                "it needs the optimizer's param_groups and step()",
-                received={"optimizer": optimizer},
-                expected="a torch.optim.Optimizer",
-            )
+def _check_optimizer(method: str, optimizer: object, enabled: bool) -> None:
+    """An enabled scaler needs the optimizer's param_groups and step(); a disabled one, as torch's, only step()."""
+    if not callable(getattr(optimizer, "step", None)):
+        why = "it has no step()"
+    elif enabled and not hasattr(optimizer, "param_groups"):
+        why = "it has no param_groups, which an enabled scaler unscales"
+    else:
+        return
+    raise TypeError(
+        _errors.message(
+            f"GradScaler.{method}() cannot use this optimizer",
+            why,
+            received={"optimizer": optimizer},
+            expected="a torch.optim.Optimizer" if enabled else "an optimizer (any object with a step() method)",
         )
+    )
 
 
 def _has_grads(optimizer: torch.optim.Optimizer) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +60,20 @@ def device_available(device_type: str) -> bool:
     does not list (``"meta"``, a private backend) is taken to be, as torch takes every type but CUDA."""
     found = _devices.DEVICES.get(device_type)
     return found is None or found.available()
+
+
+def check_enabled(value: Any) -> bool:
+    """``enabled`` as a bool: True or False, or an int read by its truth as torch reads it (argparse's
+    ``type=int`` gives 1 or 0). Anything else is refused: torch would read the string "False" as True."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return bool(operator.index(value))
+    except TypeError:
+        raise TypeError(
+            _errors.message("GradScaler enabled is invalid", "it must be a bool or an int",
+                            received={"enabled": value}, expected="True or False (or 1 or 0)")
+        ) from None
 
 
 def _is_real(value: object) -> bool:
