@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import pytest
 import torch
@@ -385,3 +386,30 @@ def test_a_table_that_drifted_from_torch_warns_once_and_explain_follows_torch(mo
     monkeypatch.setattr(_tables, "_by_policy", _memo.Memo(4, "tables while native is patched"))
     why = mixprec.explain("mm", "cpu", mixprec.policies.CPU)
     assert why.category is None and why.runs_in is F32
+
+
+# --- TorchScript -----------------------------------------------------------------------------------------------
+
+
+@torch.jit.script
+def _scripted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w).relu()
+
+
+def test_a_traced_or_scripted_graph_run_in_a_region_with_a_policy_gives_the_eager_results():
+    # TorchScript's own autocast pass (torch's lists) would cast ahead of mixprec's kernels; it is off while
+    # mixprec holds a region, and back afterwards.
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).eval(), torch.randn(4, 16)
+    w = torch.randn(16, 16)
+    region = functools.partial(mixprec.autocast, "cpu", cache_enabled=False, compute="native", policy=MM_FP32)
+    with torch.no_grad(), region():
+        eager, eager_scripted = model(x), torch.nn.functional.linear(x, w).relu()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", torch.jit.TracerWarning)  # the trace check reruns it in the region
+            traced = torch.jit.trace(model, x)
+        inside, scripted = traced(x), [_scripted(x, w) for _ in range(3)]  # (the profiling executor's runs)
+    assert eager.dtype is F32 and torch.equal(inside, eager) and torch.equal(traced(x), eager)
+    assert all(s.dtype is F32 and torch.equal(s, eager_scripted) for s in scripted)
+    before = torch._C._jit_set_autocast_mode(True)
+    assert before is True  # back on outside the region
