@@ -11,8 +11,10 @@ import copy
 import dataclasses
 import pickle
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -686,6 +688,64 @@ def test_loads_a_torch_state_dict_and_continues_like_torch() -> None:
     again = torch.amp.GradScaler("cpu")
     again.load_state_dict(ours.state_dict())
     assert again.state_dict() == theirs.state_dict()
+
+
+_AS_TENSOR_OR_NUMPY: dict[str, Callable[[Any], Any]] = {
+    "tensor": torch.tensor,  # a 0-dim tensor: float32 for a float, int64 for an int
+    "tensor64": lambda v: torch.tensor(v, dtype=torch.float64 if isinstance(v, float) else torch.int32),
+    "numpy": lambda v: np.float32(v) if isinstance(v, float) else np.int64(v),
+    "numpy64": lambda v: np.float64(v) if isinstance(v, float) else np.int32(v),
+}
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["before_scale", "after_scale"])
+@pytest.mark.parametrize("form", sorted(_AS_TENSOR_OR_NUMPY))
+def test_load_state_dict_takes_0_dim_tensors_and_numpy_scalars_like_torch(form: str, started: bool) -> None:
+    plain = {"scale": 8.0, "growth_factor": 3.0, "backoff_factor": 0.25, "growth_interval": 2, "_growth_tracker": 1}
+    converted = {key: _AS_TENSOR_OR_NUMPY[form](value) for key, value in plain.items()}
+    ours, theirs = mixprec.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    runs = {}
+    for scaler in (ours, theirs):
+        parts, opts = _setup(scaler)
+        if started:
+            _iteration(scaler, parts, opts)
+        scaler.load_state_dict(dict(converted))
+        trace = []
+        for inf_in in (None, None, 0, None, None):
+            _iteration(scaler, parts, opts, inf_in)
+            trace.append((scaler.get_scale(), scaler._get_growth_tracker()))
+        runs[scaler] = trace
+    assert runs[ours] == runs[theirs]
+    assert runs[ours][:3] == [(24.0, 0), (24.0, 1), (6.0, 0)]  # the loaded tracker (1) + 1 reaches the interval
+    saved = ours.state_dict()  # plain Python numbers again (torch hands the loaded objects back)
+    assert all(type(saved[key]) is type(value) for key, value in plain.items())
+
+
+def test_load_state_dict_takes_mixprec_keys_as_0_dim_tensors() -> None:
+    saved = mixprec.GradScaler("cpu", init_scale=64.0, hysteresis=3, min_scale=2.0, max_scale=1e6).state_dict()
+    fresh = mixprec.GradScaler("cpu")
+    fresh.load_state_dict({k: v if v is None else torch.tensor(v) for k, v in saved.items()})
+    assert fresh.state_dict() == saved
+
+
+@pytest.mark.parametrize(
+    ("key", "bad", "error"),
+    [
+        ("scale", torch.tensor([8.0]), TypeError),  # torch: fill_ / full refuse a 1-dim tensor too
+        ("scale", np.array([8.0]), TypeError),
+        ("scale", torch.tensor(-8.0), ValueError),
+        ("scale", torch.tensor(True), TypeError),
+        ("_growth_tracker", torch.tensor(1.5), TypeError),
+        ("growth_interval", np.int64(0), ValueError),
+    ],
+    ids=repr,
+)
+def test_load_state_dict_checks_a_tensor_or_numpy_value_as_its_number(key: str, bad: Any, error: type) -> None:
+    scaler = mixprec.GradScaler("cpu", init_scale=4.0)
+    state = {"scale": 8.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 3, "_growth_tracker": 0}
+    with pytest.raises(error, match=f"GradScaler {key} is invalid"):
+        scaler.load_state_dict({**state, key: bad})
+    assert scaler.get_scale() == 4.0  # nothing loaded
 
 
 # ------------------------------------------------------------------ pickling

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -167,6 +168,17 @@ def _check_state_dict(state_dict: object) -> None:
         )
 
 
+def _number(value: object) -> object:
+    """The Python number of a 0-dim tensor or a numpy scalar (torch's load_state_dict takes them, e.g. from a
+    checkpoint written by other code); any other value as given, to be checked as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.item() if value.dim() == 0 else value
+    numpy = sys.modules.get("numpy")  # a numpy scalar exists only if numpy is imported (mixprec never imports it)
+    if numpy is not None and isinstance(value, numpy.generic):
+        return value.item()
+    return value
+
+
 class ScalerSettings:
     """Getters, setters, state_dict and pickling for :class:`~mixprec.GradScaler`."""
 
@@ -245,28 +257,30 @@ class ScalerSettings:
         """Load a :meth:`state_dict`, or one saved by torch.amp.GradScaler.
 
         Keys torch does not save (``hysteresis``, ``min_scale``, ``max_scale``)
-        keep this scaler's values when absent.
+        keep this scaler's values when absent. A value may be a Python number,
+        a 0-dim tensor or a numpy scalar, as torch allows.
         """
         if not self._enabled:
             return
         _check_state_dict(state_dict)
+        state: dict[str, Any] = {key: _number(value) for key, value in state_dict.items()}
         rule = self._rule
         rule = make_rule(  # every value is checked before anything is loaded
-            state_dict["growth_factor"],
-            state_dict["backoff_factor"],
-            state_dict["growth_interval"],
-            state_dict.get("hysteresis", rule.hysteresis),
-            state_dict.get("min_scale", rule.min_scale),
-            state_dict.get("max_scale", rule.max_scale),
+            state["growth_factor"],
+            state["backoff_factor"],
+            state["growth_interval"],
+            state.get("hysteresis", rule.hysteresis),
+            state.get("min_scale", rule.min_scale),
+            state.get("max_scale", rule.max_scale),
         )
-        check_init_scale(state_dict["scale"], "scale")
+        check_init_scale(state["scale"], "scale")
         for key in ("_growth_tracker", "_hysteresis_tracker"):
-            value = state_dict.get(key, 0)
+            value = state.get(key, 0)
             _check(key, value, _is_real(value) and value >= 0, "an int >= 0", integral=True)
         self._rule = rule
-        self._init_scale = float(state_dict["scale"])
-        self._init_growth_tracker = int(state_dict["_growth_tracker"])
-        self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self._rule.hysteresis))
+        self._init_scale = float(state["scale"])
+        self._init_growth_tracker = int(state["_growth_tracker"])
+        self._init_hysteresis_tracker = int(state.get("_hysteresis_tracker", self._rule.hysteresis))
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
         if self._growth_tracker is not None:
