@@ -172,11 +172,40 @@ class PolicyForward:
                 return type(self.module).forward(self.module, *args, **kwargs)
             return inner(*args, **kwargs)
         with _Level(policies[index][1]) as level:
-            return self._run(index + 1, policies, level.cast(args), level.cast(kwargs))
+            try:
+                return self._run(index + 1, policies, level.cast(args), level.cast(kwargs))
+            except RuntimeError as error:
+                if level.policy == FP32:
+                    _explain_fp32_failure(self.module, error)
+                raise
 
     def __repr__(self) -> str:
         names = ", ".join(p if isinstance(p, str) else p.name for _, p in self.policies)
         return f"<forward of {type(self.module).__name__} under mixprec module policies [{names}]>"
+
+
+_FP32_FAILED = "failed under set_module_policy(module, 'fp32')"
+_DTYPE_WORDS = ("dtype", "scalar type", "BFloat16", "Half", "bfloat16", "float16")
+
+
+def _explain_fp32_failure(module: torch.nn.Module, error: RuntimeError) -> None:
+    """Where a module under ``"fp32"`` failed on a dtype and holds low-precision weights, say that the policy is
+    why: it runs the module with autocast off and float32 inputs, which meet those weights."""
+    text = str(error)
+    if _FP32_FAILED in text or not any(word in text for word in _DTYPE_WORDS):
+        return
+    low = sorted({str(p.dtype) for p in module.parameters() if p.is_floating_point() and p.dtype.itemsize < 4})
+    if not low:
+        return
+    raise RuntimeError(
+        _errors.message(
+            f"{type(module).__name__} {_FP32_FAILED}",
+            f"'fp32' runs it with autocast off and float32 inputs, and its weights are {', '.join(low)} "
+            f"(torch: {text.strip().splitlines()[0]})",
+            fix="Make the module's weights float32 (module.float()), or give it a Policy that moves its ops to "
+            "the fp32 category (policies.CPU.with_ops(fp32=['linear'])), which casts the weights too.",
+        )
+    ) from error
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
