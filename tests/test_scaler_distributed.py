@@ -8,6 +8,9 @@ only the scaler's found_inf agreement can make rank 0 skip too. Each worker
 writes its skip flags, scales, whether its local parameters moved, and the full
 (gathered) parameters to a file; the parent compares the ranks.
 
+The same runs with an optimizer on torch's older ``grad_scaler=`` contract (apex's
+fused optimizers), which asks the scaler for the inf checks inside its own step.
+
 The negative control turns agreement off (``process_group=False``): the same
 plant then makes only rank 1 skip. DDP replicas diverge; under FSDP the gathered
 parameters stay alike across ranks but the step is torn (rank 0's shard moved,
@@ -21,6 +24,7 @@ import os
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -79,10 +83,31 @@ def _fsdp2(model: nn.Sequential) -> nn.Module:
 
 _WRAPPERS: dict[str, Callable[[nn.Sequential], nn.Module]] = {
     "ddp": _ddp,
+    "ddp-grad-scaler-kwarg": _ddp,  # with _ApexStyleSGD
     "fsdp1": lambda model: _fsdp1(model, use_orig_params=False),  # the optimizer sees the sharded FlatParameter
     "fsdp1-orig-params": lambda model: _fsdp1(model, use_orig_params=True),  # views into it; some empty per rank
     "fsdp2": _fsdp2,
 }
+
+
+class _ApexStyleSGD(torch.optim.Optimizer):
+    """SGD on the ``grad_scaler=`` contract: it gets the inf checks from the scaler and skips by itself."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, grad_scaler: Any = None) -> None:  # type: ignore[override]
+        found_inf = sum(grad_scaler._check_inf_per_device(self).values())  # agreed across ranks
+        inv_scale = grad_scaler._get_scale_async().double().reciprocal().float()
+        if found_inf.item():
+            return
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad * inv_scale, alpha=-group["lr"])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -126,7 +151,8 @@ def _full_params(case: str, model: nn.Module) -> list[torch.Tensor]:
 def _train(case: str, agree: bool) -> dict[str, Any]:
     rank = dist.get_rank()
     model = _WRAPPERS[case](_model())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer_cls = _ApexStyleSGD if case.endswith("grad-scaler-kwarg") else torch.optim.SGD
+    optimizer = optimizer_cls(model.parameters(), lr=0.1)
     options: dict[str, Any] = {} if agree else {"process_group": False}
     scaler = mixprec.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL, **options)
     torch.manual_seed(1 + rank)  # different data per rank, as in data-parallel training
@@ -144,7 +170,9 @@ def _train(case: str, agree: bool) -> dict[str, Any]:
             record["grad_types"] = sorted({type(g).__name__ for g in grads})
             record["local_grad_numel"] = sum(_local(g).numel() for g in grads)
         before = _local_snapshot(optimizer)
-        scaler.step(optimizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # the grad_scaler= contract is deprecated in torch
+            scaler.step(optimizer)
         scaler.update()
         after = _local_snapshot(optimizer)
         record["skipped"].append(scaler.last_step_skipped)
@@ -216,7 +244,7 @@ def _check_wrapping(case: str, records: list[dict[str, Any]]) -> None:
     full_numel = sum(p.numel() for p in records[0]["params"][0])
     for rank, record in enumerate(records):
         assert record["grad_types"] == (["DTensor"] if case == "fsdp2" else ["Tensor"]), f"rank {rank}"
-        if case == "ddp":
+        if case.startswith("ddp"):
             assert record["local_grad_numel"] == full_numel, f"rank {rank}"
         else:
             assert 0 < record["local_grad_numel"] < full_numel, f"rank {rank}: gradients are not sharded"
@@ -225,7 +253,7 @@ def _check_wrapping(case: str, records: list[dict[str, Any]]) -> None:
 SKIPS = [step == PLANT_STEP for step in range(STEPS)]
 
 
-@pytest.mark.parametrize("case", ["ddp", "fsdp1", "fsdp1-orig-params", "fsdp2"])
+@pytest.mark.parametrize("case", ["ddp", "ddp-grad-scaler-kwarg", "fsdp1", "fsdp1-orig-params", "fsdp2"])
 def test_inf_on_one_rank_makes_every_rank_skip(case: str, tmp_path: Path) -> None:
     records = _run(case, agree=True, tmp_path=tmp_path)
     _check_wrapping(case, records)
@@ -241,7 +269,7 @@ def test_inf_on_one_rank_makes_every_rank_skip(case: str, tmp_path: Path) -> Non
     assert [not _equal(params[step], params[step + 1]) for step in range(STEPS)] == [not skip for skip in SKIPS]
 
 
-@pytest.mark.parametrize("case", ["ddp", "fsdp1", "fsdp2"])
+@pytest.mark.parametrize("case", ["ddp", "ddp-grad-scaler-kwarg", "fsdp1", "fsdp2"])
 def test_without_agreement_only_the_planted_rank_skips(case: str, tmp_path: Path) -> None:
     """Negative control, proving the test above can fail: process_group=False turns agreement off."""
     records = _run(case, agree=False, tmp_path=tmp_path)
@@ -251,7 +279,7 @@ def test_without_agreement_only_the_planted_rank_skips(case: str, tmp_path: Path
     assert records[1]["local_moved"] == [not skip for skip in SKIPS]
     assert records[0]["scale"] != records[1]["scale"]
     before, after = records[0]["params"][PLANT_STEP], records[0]["params"][PLANT_STEP + 1]
-    if case == "ddp":
+    if case.startswith("ddp"):
         # Each rank holds a full replica: rank 0 stepped, rank 1 did not, and they stay apart.
         assert _equal(records[0]["params"][PLANT_STEP], records[1]["params"][PLANT_STEP])
         for step in range(PLANT_STEP + 1, STEPS + 1):

@@ -940,6 +940,98 @@ def test_fused_step_without_grads_is_a_no_op_like_torch() -> None:
             scaler.update()
 
 
+class _ApexStyleSGD(torch.optim.Optimizer):
+    """An optimizer on torch's older ``grad_scaler=`` contract (apex's FusedAdam / FusedSGD, capturable): it asks
+    the scaler for the inf checks and the scale, unscales by itself and skips its own update on an inf."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.5})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None, grad_scaler: Any = None) -> str:  # type: ignore[override]
+        found_inf = sum(grad_scaler._check_inf_per_device(self).values())
+        inv_scale = grad_scaler._get_scale_async().double().reciprocal().float()
+        if found_inf.item():
+            return "skipped"
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.add_(param.grad * inv_scale, alpha=-group["lr"])
+        return "stepped"
+
+
+@pytest.mark.parametrize("unscale_first", [False, True], ids=["step", "unscale_then_step"])
+def test_grad_scaler_kwarg_optimizer_steps_and_skips_like_torch(unscale_first: bool) -> None:
+    runs, skipped = {}, []
+    for cls in (mixprec.GradScaler, torch.amp.GradScaler):
+        scaler = cls("cpu", init_scale=8.0, growth_interval=2)
+        torch.manual_seed(0)
+        part = nn.Linear(3, 2)
+        opt = _ApexStyleSGD(part.parameters())
+        trace = []
+        for inf_in in (None, 0, None, None, 0, None):
+            opt.zero_grad()
+            _backward(scaler, [part], inf_in)
+            if unscale_first:
+                scaler.unscale_(opt)  # (the optimizer then divides by the scale again, in torch too)
+            with pytest.warns(FutureWarning, match="grad_scaler|keyword argument") as record:
+                result = scaler.step(opt)
+            assert record[0].filename == __file__, "the warning points at the user's line"
+            found = {device: flag.item() for device, flag in scaler._found_inf_per_device(opt).items()}
+            scaler.update()
+            trace.append((result, found, scaler.get_scale()))
+            if cls is mixprec.GradScaler:
+                skipped.append(scaler.last_step_skipped)
+        runs[cls] = trace, [p.detach().clone() for p in part.parameters()]
+    (ours, ours_params), (theirs, theirs_params) = runs.values()
+    assert ours == theirs
+    assert all(torch.equal(o, t) for o, t in zip(ours_params, theirs_params, strict=True))
+    assert [result for result, _, _ in ours] == ["stepped", "skipped", "stepped", "stepped", "skipped", "stepped"]
+    assert skipped == [result == "skipped" for result, _, _ in ours]  # mixprec records the skips too
+
+
+def test_grad_scaler_kwarg_optimizer_keeps_hysteresis_and_bounds() -> None:
+    """The inf checks the optimizer asks for are the ones update() reads: the rule is the one any optimizer gets."""
+    runs = []
+    for make in (_ApexStyleSGD, lambda params: torch.optim.SGD(params, lr=0.5)):
+        scaler = mixprec.GradScaler("cpu", init_scale=8.0, growth_interval=2, hysteresis=2, min_scale=2.0)
+        torch.manual_seed(0)
+        part = nn.Linear(3, 2)
+        opt = make(part.parameters())
+        trace = []
+        for inf_in in (None, 0, None, 0, 0, 0, 0, 0, None, None):
+            opt.zero_grad()
+            _backward(scaler, [part], inf_in)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                scaler.step(opt)
+            scaler.update()
+            trace.append((scaler.get_scale(), scaler.last_step_skipped))
+        runs.append((trace, scaler.history, [p.detach().clone() for p in part.parameters()]))
+    (trace, history, params), (plain_trace, plain_history, plain_params) = runs
+    assert trace == plain_trace and history == plain_history
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
+    # Hysteresis 2 keeps the scale at the first inf (torch would halve it); the tracker is refilled only by
+    # growth, so the next inf backs off, and the ones after stop at min_scale.
+    assert [scale for scale, _ in trace] == [8.0, 8.0, 8.0, 4.0, 2.0, 2.0, 2.0, 2.0, 2.0, 4.0]
+    assert [s for _, s in trace] == [False, True, False, True, True, True, True, True, False, False]
+
+
+@pytest.mark.parametrize("cls", [mixprec.GradScaler, torch.amp.GradScaler])
+def test_grad_scaler_hooks_before_scale_like_torch(cls: Any) -> None:
+    scaler = cls("cpu")
+    opt = _ApexStyleSGD(nn.Linear(3, 2).parameters())
+    assert scaler._get_scale_async() is None
+    assert scaler._found_inf_per_device(opt) == {}
+    with pytest.raises(AssertionError, match="_check_inf_per_device"):
+        scaler._check_inf_per_device(opt)
+    scaler.scale(torch.ones(()))
+    assert scaler._get_scale_async() is scaler._scale
+    assert scaler._check_inf_per_device(opt) == {}  # no gradients yet: nothing to check
+
+
 def test_several_optimizers_share_one_scale() -> None:
     ours, theirs = mixprec.GradScaler("cpu", growth_interval=1), torch.amp.GradScaler("cpu", growth_interval=1)
     for scaler in (ours, theirs):

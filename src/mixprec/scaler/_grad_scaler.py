@@ -295,20 +295,9 @@ class GradScaler(ScalerSettings):
     ) -> Any:
         """Optimizers that unscale and skip inside their own kernels get grad_scale and found_inf."""
         if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-            warnings.warn(
-                "GradScaler passes itself to optimizer.step(grad_scaler=...) for this optimizer; that contract is "
-                "deprecated in torch in favour of the grad_scale / found_inf attributes.",
-                FutureWarning,
-                stacklevel=3,
-            )
-            kwargs["grad_scaler"] = self
-            retval = optimizer.step(*args, **kwargs)
-            state.stage = _Stage.STEPPED
-            return retval
+            return self._step_passing_self(optimizer, state, scale, args, kwargs)
         if state.stage is _Stage.READY:
-            dummy_inv_scale = torch.full((), 1.0, dtype=torch.float32, device=scale.device)
-            zero = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
-            state.found_inf_per_device = self._unscale_grads_(optimizer, dummy_inv_scale, zero, True)
+            self._check_inf_per_device(optimizer)
         if not state.found_inf_per_device and _has_grads(optimizer):
             # unscale_() saw no grads, but some appeared since: they were never checked (torch fails
             # inside the optimizer's kernel on the int found_inf below).
@@ -317,9 +306,7 @@ class GradScaler(ScalerSettings):
                 f"produced after unscale_(). {ORDER}"
             )
         # sum() of no tensors is the int 0, as in torch (an optimizer without grads, whose step does nothing).
-        found_inf: torch.Tensor | int = sum(
-            t.to(scale.device, non_blocking=True) for t in state.found_inf_per_device.values()
-        )
+        found_inf = _found_inf_sum(state, scale.device)
         previous = getattr(optimizer, "grad_scale", None)
         # Already unscaled: keep the user's grad_scale (if any); otherwise hand over the product.
         grad_scale = previous if state.stage is _Stage.UNSCALED else scale * (1 if previous is None else previous)
@@ -333,6 +320,46 @@ class GradScaler(ScalerSettings):
         state.stage = _Stage.STEPPED
         self._skipped_this_iteration.append(found_inf > 0)  # stays on device: no sync
         return retval
+
+    def _step_passing_self(
+        self, optimizer: torch.optim.Optimizer, state: _OptimizerState, scale: torch.Tensor, args: Any, kwargs: Any
+    ) -> Any:
+        """torch's older contract (apex's fused optimizers): ``optimizer.step(grad_scaler=self)`` calls
+        :meth:`_check_inf_per_device` and :meth:`_get_scale_async`, unscales by itself and skips its own update
+        if a flag is set. The flags it recorded (or unscale_() did) tell whether the step was skipped; an
+        optimizer that checked nothing leaves that unknown, and update() then reads no check from it."""
+        warnings.warn(
+            "GradScaler passes itself to optimizer.step(grad_scaler=...) for this optimizer; that contract is "
+            "deprecated in torch in favour of the grad_scale / found_inf attributes.",
+            FutureWarning,
+            stacklevel=4,
+        )
+        kwargs["grad_scaler"] = self
+        retval = optimizer.step(*args, **kwargs)
+        state.stage = _Stage.STEPPED
+        if state.found_inf_per_device:
+            self._skipped_this_iteration.append(_found_inf_sum(state, scale.device) > 0)  # on device: no sync
+        return retval
+
+    # ------------------------------------- torch's hooks for optimizers that unscale themselves (apex's)
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """Check the optimizer's gradients for inf/NaN without unscaling them; record and return the flags,
+        one per device, as torch's method of that name does. Ranks agree on them as in :meth:`unscale_`,
+        and :meth:`update` reads them (hysteresis and the bounds apply as for any optimizer)."""
+        scale = self._require_scale("_check_inf_per_device")
+        dummy_inv_scale = torch.full((), 1.0, dtype=torch.float32, device=scale.device)
+        zero = torch.full((), 0.0, dtype=torch.float32, device=scale.device)
+        state = self._per_optimizer_states[id(optimizer)]
+        state.found_inf_per_device = self._unscale_grads_(optimizer, dummy_inv_scale, zero, True)
+        return state.found_inf_per_device
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """The flags recorded for the optimizer in this iteration (torch's method of that name)."""
+        return self._per_optimizer_states[id(optimizer)].found_inf_per_device
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        """The scale as a device tensor, without a sync; None before the first scale() (as torch's)."""
+        return self._scale
 
     # ---------------------------------------------------------------- update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -438,6 +465,11 @@ def _check_optimizer(method: str, optimizer: object, enabled: bool) -> None:
             expected="a torch.optim.Optimizer" if enabled else "an optimizer (any object with a step() method)",
         )
     )
+
+
+def _found_inf_sum(state: _OptimizerState, device: torch.device) -> torch.Tensor | int:
+    """The optimizer's flags summed on ``device``; the int 0 if none was recorded (as sum() gives in torch)."""
+    return sum(t.to(device, non_blocking=True) for t in state.found_inf_per_device.values())
 
 
 def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
