@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from mixprec import _errors
-from mixprec.scaler import _distributed
 from mixprec.scaler._history import History, ScaleRecord
 from mixprec.scaler._rule import ScaleRule
 from mixprec.scaler._settings import (
@@ -37,6 +36,7 @@ from mixprec.scaler._settings import (
     device_type,
     make_rule,
 )
+from mixprec.scaler._unscale import check_optimizer, has_grads, unscale_grads
 
 __all__ = ["GradScaler", "ScaleRecord", "ScalerStateError"]
 
@@ -189,51 +189,12 @@ class GradScaler(ScalerSettings):
     def _unscale_grads_(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
     ) -> dict[torch.device, torch.Tensor]:
-        """Unscale the optimizer's grads with torch's fused kernel, grouped by device and dtype."""
-        grouped: defaultdict[torch.device, defaultdict[torch.dtype, list[torch.Tensor]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if param.grad is None:
-                        continue
-                    if not allow_fp16 and param.grad.dtype is torch.float16:
-                        raise ValueError(
-                            _errors.message(
-                                "GradScaler cannot unscale float16 gradients",
-                                "unscaling them in float16 loses the range that loss scaling protects; "
-                                "keep parameters (and so gradients) in float32 and let autocast choose op dtypes",
-                                received={"grad dtype": param.grad.dtype},
-                                fix="If float16 gradients are intended, pass GradScaler(..., allow_fp16_grads=True).",
-                            )
-                        )
-                    grad = _distributed.local(param.grad)
-                    if grad.is_sparse:
-                        # A sparse gradient may hold duplicate indices whose sum overflows: coalesce first.
-                        if grad.dtype is torch.float16:
-                            param.grad = grad = grad.coalesce()
-                        grad = grad._values()
-                    grouped[grad.device][grad.dtype].append(grad)
-            per_device: dict[torch.device, torch.Tensor] = {}
-            for device, per_dtype in grouped.items():
-                device_found_inf = found_inf.to(device, copy=True) if device != found_inf.device else found_inf.clone()
-                device_inv_scale = inv_scale.to(device)
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, device_found_inf, device_inv_scale)
-                per_device[device] = device_found_inf
-        if not per_device and _distributed.active(self._process_group):
-            # No local grads on this rank (e.g. an empty FSDP shard): still join the all-reduce, as
-            # torch's ShardedGradScaler does. Without ranks to agree with, torch records nothing and
-            # step() raises.
-            per_device[found_inf.device] = found_inf.clone()
-        for device_found_inf in per_device.values():
-            _distributed.agree(device_found_inf, self._process_group, via=found_inf.device)
-        return per_device
+        """Unscale the optimizer's grads (torch's method of that name, which sharded scalers override)."""
+        return unscale_grads(optimizer, inv_scale, found_inf, allow_fp16, self._process_group)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale (at most once per step), recording inf/NaN."""
-        _check_optimizer("unscale_", optimizer, self._enabled)
+        check_optimizer("unscale_", optimizer, self._enabled)
         if not self._enabled:
             return
         scale = self._require_scale("unscale_")
@@ -257,7 +218,7 @@ class GradScaler(ScalerSettings):
         Returns what ``optimizer.step`` returned, or None if the step was skipped;
         :attr:`last_step_skipped` tells which.
         """
-        _check_optimizer("step", optimizer, self._enabled)
+        check_optimizer("step", optimizer, self._enabled)
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
@@ -298,7 +259,7 @@ class GradScaler(ScalerSettings):
             return self._step_passing_self(optimizer, state, scale, args, kwargs)
         if state.stage is _Stage.READY:
             self._check_inf_per_device(optimizer)
-        if not state.found_inf_per_device and _has_grads(optimizer):
+        if not state.found_inf_per_device and has_grads(optimizer):
             # unscale_() saw no grads, but some appeared since: they were never checked (torch fails
             # inside the optimizer's kernel on the int found_inf below).
             raise ScalerStateError(
@@ -449,28 +410,6 @@ def _any(flags: list[torch.Tensor | bool]) -> torch.Tensor | bool:
     return combined | plain
 
 
-def _check_optimizer(method: str, optimizer: object, enabled: bool) -> None:
-    """An enabled scaler needs the optimizer's param_groups and step(); a disabled one, as torch's, only step()."""
-    if not callable(getattr(optimizer, "step", None)):
-        why = "it has no step()"
-    elif enabled and not hasattr(optimizer, "param_groups"):
-        why = "it has no param_groups, which an enabled scaler unscales"
-    else:
-        return
-    raise TypeError(
-        _errors.message(
-            f"GradScaler.{method}() cannot use this optimizer",
-            why,
-            received={"optimizer": optimizer},
-            expected="a torch.optim.Optimizer" if enabled else "an optimizer (any object with a step() method)",
-        )
-    )
-
-
 def _found_inf_sum(state: _OptimizerState, device: torch.device) -> torch.Tensor | int:
     """The optimizer's flags summed on ``device``; the int 0 if none was recorded (as sum() gives in torch)."""
     return sum(t.to(device, non_blocking=True) for t in state.found_inf_per_device.values())
-
-
-def _has_grads(optimizer: torch.optim.Optimizer) -> bool:
-    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
