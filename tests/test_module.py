@@ -356,9 +356,10 @@ def test_autocast_module_checks_its_arguments():
 
 def test_fp32_on_a_module_with_low_precision_weights_names_the_policy_in_its_error():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)).to(torch.bfloat16)
-    with mixprec.set_module_policy(model[1], "fp32"), mixprec.autocast("cpu"):
-        with pytest.raises(RuntimeError, match=r"Linear failed under set_module_policy\(module, 'fp32'\).*bfloat16"):
-            model(torch.randn(2, 4))
+    failed = r"Linear failed under set_module_policy\(module, .fp32.\).*bfloat16"
+    policy = mixprec.set_module_policy(model[1], "fp32")
+    with policy, mixprec.autocast("cpu"), pytest.raises(RuntimeError, match=failed):
+        model(torch.randn(2, 4))
     # A Policy moving linear to fp32 casts the weights: the fix the message gives.
     with mixprec.set_module_policy(model[1], mixprec.policies.CPU.with_ops(fp32=["linear"])), mixprec.autocast("cpu"):
         assert model(torch.randn(2, 4)).dtype is torch.float32
