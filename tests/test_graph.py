@@ -332,3 +332,17 @@ def test_an_exported_graph_that_mutates_its_inputs_gives_the_native_outputs():
     model, x, w = _MutatesItsInputs(), torch.randn(4, 8), torch.randn(8, 8)
     low = apply_policy(torch.export.export(model, (x.clone(), w.clone())).module(), mixprec.policies.CPU, BF16)
     _assert_bitwise(low(x.clone(), w.clone()), _native(model, x.clone(), w.clone()))
+
+
+class _Einsums(torch.nn.Module):
+    def forward(self, a, b):
+        # The same op on the same dtypes: the first reaches no op with a category, the second reaches bmm.
+        return torch.einsum("ij,ij->ij", a, b), torch.einsum("ij,jk->ik", a, b)
+
+
+def test_a_composite_call_that_stays_whole_does_not_keep_a_different_call_whole():
+    model, a, b = _Einsums(), torch.randn(4, 4), torch.randn(4, 4)
+    low = apply_policy(torch.export.export(model, (a, b)).module(), mixprec.policies.CPU, BF16)
+    expected = _native(model, a, b)
+    assert [t.dtype for t in expected] == [torch.float32, BF16]
+    _assert_bitwise(low(a, b), expected)

@@ -25,7 +25,7 @@ cat of two bfloat16 tensors stays bfloat16: nothing is cast conservatively.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from mixprec import _compat, _errors
 from mixprec.engine import _devices, _plan, _rules, _tables
-from mixprec.graph import _fp8
+from mixprec.graph import _decompose, _fp8
 from mixprec.graph._casts import Casts, is_cast
 from mixprec.policies import Category, Policy
 from mixprec.policies._category import Action
@@ -104,9 +104,9 @@ class _Rewrite:
             self.table = _tables.effective(policy, device_type)[0]
         else:
             self.table = _tables.categories(policy)
-        # (overload, its tensor inputs' dtypes and devices) whose decomposition reaches no op with a category:
-        # traced once per graph, not at every node (a graph holds many reshapes).
-        self._barren: set[tuple[Any, ...]] = set()
+        # Calls (``_decompose.signature``: all a decomposition depends on) whose decomposition reaches no op
+        # with a category: traced once per graph, not at every node (a graph holds many reshapes).
+        self._barren: set[Hashable] = set()
 
     def eligible(self, value: Any) -> bool:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None
@@ -163,15 +163,13 @@ class _Rewrite:
         """For an op with no category whose CompositeImplicitAutograd kernel reaches ops with one: its
         decomposition, rewritten, as eager autocast meets those ops below the composite and casts them
         (``conv1d.padding`` -> ``_convolution_mode``). None for any other op, which stays whole."""
-        key = (target, *(
-            (n.meta["val"].dtype, n.meta["val"].device.type) if _is_tensor(n) else None
-            for n in pytree.tree_leaves((args, kwargs)) if isinstance(n, fx.Node)
-        ))
-        if key in self._barren:
+        key = _decompose.signature(target, args, kwargs)
+        if key is not None and key in self._barren:
             return None
         sub = _decomposition(node, target, args, kwargs)
         if sub is None or not self._reaches(sub, depth + 1):
-            self._barren.add(key)
+            if key is not None:
+                self._barren.add(key)
             return None
         inputs = iter(n for n in pytree.tree_leaves((args, kwargs)) if isinstance(n, fx.Node))
         env: dict[fx.Node, Any] = {}
