@@ -60,7 +60,8 @@ def _tests(release: str):
         RESULTS.mkdir(exist_ok=True)
         run = {"MIXPREC_COMPAT_RESULTS": str(RESULTS / f"{release}.json"), "MIXPREC_EXPECT_TORCH": TESTED[release]}
         # Two workers: the suite is mostly single-threaded Python (7.3 min instead of about 12 on 2 cores).
-        session.run("python", "-m", "pytest", "-n", "auto", *session.posargs, env=run)
+        # worksteal: an idle worker takes tests queued for the other (the longest run first: tests/conftest.py).
+        session.run("python", "-m", "pytest", "-n", "auto", "--dist", "worksteal", *session.posargs, env=run)
 
     tests.__doc__ = f"The suite on torch {TESTED[release]} (pass -- --version-sensitive for the compat subset)."
     return tests

@@ -86,6 +86,16 @@ def _sampled(item: pytest.Item) -> bool:
     return int(hashlib.sha256(key.encode()).hexdigest(), 16) % OPINFO_SAMPLE_ONE_IN == 0
 
 
+#: The longest tests (half a minute to two minutes each on 2 cores), run first: a worker that meets one at the
+#: end of the run would keep the other waiting (with ``-n``, xdist hands tests out in collection order).
+LONGEST = (
+    "test_fp8_training.py::test_gpt2_trained_150_steps", "test_soak.py::test_soak_leaves",
+    "test_compiled.py::test_compiled_programs_give_the_eager_results", "test_differential.py::test_random_programs",
+    "test_policy_serial.py::test_edit_sequences", "test_explain.py::test_eager_fx_and_explain_agree",
+    "test_scaler_parity.py::test_fused_adam", "test_scaler_parity.py::test_sparse_gradients",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     sensitive = config.getoption("--version-sensitive")
     sample = sensitive or config.getoption("--opinfo-sample")
@@ -95,7 +105,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         (keep if wanted else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
-        items[:] = keep
+    first = [item for item in keep if any(f"{item.path.name}::{item.name}".startswith(p) for p in LONGEST)]
+    chosen = {id(item) for item in first}
+    items[:] = first + [item for item in keep if id(item) not in chosen]
 
 
 _outcomes: dict[str, dict[str, int]] = {}
