@@ -334,6 +334,25 @@ def test_an_exported_graph_that_mutates_its_inputs_gives_the_native_outputs():
     _assert_bitwise(low(x.clone(), w.clone()), _native(model, x.clone(), w.clone()))
 
 
+class _MixedEinsum(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, h):
+        # einsum has no category: eager autocast runs its CompositeImplicitAutograd kernel and casts the bmm it
+        # calls, on one bf16 input (the linear's) and one f32 one. argwhere's size depends on the data.
+        return torch.einsum("ij,jk->ik", self.linear(x), h), torch.argwhere(x > 0)
+
+
+def test_a_composite_with_inputs_of_mixed_dtypes_is_decomposed_as_eager_autocast_runs_it():
+    model, x, h = _MixedEinsum(), torch.randn(8, 8), torch.randn(8, 8)
+    low = apply_policy(torch.export.export(model, (x, h)).module(), mixprec.policies.CPU, BF16)
+    expected = _native(model, x, h)
+    assert [t.dtype for t in expected] == [BF16, torch.int64]
+    _assert_bitwise(low(x, h), expected)
+
+
 class _Einsums(torch.nn.Module):
     def forward(self, a, b):
         # The same op on the same dtypes: the first reaches no op with a category, the second reaches bmm.
@@ -346,3 +365,21 @@ def test_a_composite_call_that_stays_whole_does_not_keep_a_different_call_whole(
     expected = _native(model, a, b)
     assert [t.dtype for t in expected] == [torch.float32, BF16]
     _assert_bitwise(low(a, b), expected)
+
+
+class _Tensordot(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x, h):
+        return torch.tensordot(self.linear(x), h, dims=1)  # its kernel refuses a bf16 and an f32 input
+
+
+def test_a_composite_whose_decomposition_fails_is_refused_not_left_whole():
+    model, x, h = _Tensordot(), torch.randn(4, 8), torch.randn(8, 4)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        _native(model, x, h)
+    gm = torch.export.export(model, (x, h)).module()
+    with pytest.raises(RuntimeError, match=r"apply_policy cannot rewrite aten.tensordot.*same dtype.*test_graph.py"):
+        apply_policy(gm, mixprec.policies.CPU, BF16)

@@ -32,7 +32,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from mixprec import _compat, _errors
+from mixprec import _errors
 from mixprec.engine import _devices, _plan, _rules, _tables
 from mixprec.graph import _decompose, _fp8
 from mixprec.graph._casts import Casts, is_cast
@@ -166,7 +166,7 @@ class _Rewrite:
         key = _decompose.signature(target, args, kwargs)
         if key is not None and key in self._barren:
             return None
-        sub = _decomposition(node, target, args, kwargs)
+        sub = _decompose.trace(node, target, args, kwargs, self.run_values)
         if sub is None or not self._reaches(sub, depth + 1):
             if key is not None:
                 self._barren.add(key)
@@ -192,23 +192,48 @@ class _Rewrite:
             if self.table.get(inner.target) is not None:
                 return True
             if depth < _DEPTH:
-                deeper = _decomposition(inner, inner.target, inner.args, inner.kwargs)
+                deeper = _decompose.trace(inner, inner.target, inner.args, inner.kwargs, self.run_values)
                 if deeper is not None and self._reaches(deeper, depth + 1):
                     return True
         return False
 
+    def plan(self, category: Category, target: Any, args: Any, kwargs: Any) -> _plan.CastPlan:
+        """``_plan``'s plan for a call of ``target`` on ``args``/``kwargs``: nodes carrying fake values, or
+        fake values themselves (while a decomposition is traced)."""
+        vals, kwarg_vals = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (args, kwargs))
+        first = next((v for v in (*vals, *kwarg_vals.values()) if isinstance(v, torch.Tensor)), None)
+        return _plan.plan(
+            category,
+            self.dtype,
+            (v.dtype for v in pytree.tree_leaves((vals, kwarg_vals)) if self._eligible_value(v)),
+            first_eligible=first is not None and self._eligible_value(first),
+            advice=self.policy.advice(_tables.entry_name(self.policy, target)) if category.action is Action.BAN else "",
+        )
+
+    def run_values(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``op`` on fake values, their eligible tensors cast as the policy casts them (a banned call runs as
+        it is: the pass raises where it rewrites the node)."""
+        category = self.table.get(op)
+        plan = self.plan(category, op, args, kwargs) if category is not None else None
+        if plan is not None and plan.error is None:
+            if plan.cast_to is not None:
+                cast = plan.cast_to
+                args, kwargs = pytree.tree_map_only(
+                    torch.Tensor, lambda t: t.to(cast) if self._eligible_value(t) else t, (args, kwargs)
+                )
+            elif plan.dtype_arg is not None:
+                op, args, kwargs = _rules.with_dtype_arg(op, args, kwargs, plan)
+        return op(*args, **kwargs)
+
+    def _eligible_value(self, val: Any) -> bool:
+        return isinstance(val, torch.Tensor) and _plan.eligible(val.dtype, val.device.type, self.device_type)
+
     def _apply(self, category: Category, node: fx.Node, target: Any, args: Any, kwargs: Any) -> Any:
         """The call as ``_plan`` says, on nodes: the same plan the eager kernels carry out on tensors."""
         first = next((v for v in (*args, *kwargs.values()) if _is_tensor(v)), None)
-        plan = _plan.plan(
-            category,
-            self.dtype,
-            (n.meta["val"].dtype for n in pytree.tree_leaves((args, kwargs)) if self.eligible(n)),
-            first_eligible=first is not None and self.eligible(first),
-            advice=self.policy.advice(_tables.entry_name(self.policy, target)) if category.action is Action.BAN else "",
-        )
+        plan = self.plan(category, target, args, kwargs)
         if plan.error is not None:
-            raise RuntimeError(f"{plan.error}{_where(node)}")
+            raise RuntimeError(f"{plan.error}{_decompose.where(node)}")
         if plan.scaled is not None:
             device = self.device_type or (first.meta["val"].device.type if first is not None else None)
             if device is not None and self._may_run_fp8(target, args, kwargs, device):
@@ -225,40 +250,6 @@ class _Rewrite:
 _DEPTH = 3
 
 
-def _decomposition(node: fx.Node, target: Any, args: Any, kwargs: Any) -> fx.GraphModule | None:
-    """The graph of ``target``'s CompositeImplicitAutograd kernel on the node's inputs (traced on their fake
-    values), or None: no such kernel, more than one output, constants of its own, or not traceable."""
-    if not isinstance(target, torch._ops.OpOverload) or not isinstance(node.meta.get("val"), torch.Tensor):
-        return None
-    if not _compat.has_kernel(_tables.qualified(target), "CompositeImplicitAutograd"):
-        return None
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    where = [i for i, v in enumerate(leaves) if isinstance(v, fx.Node)]
-    vals = [leaves[i].meta.get("val") for i in where]
-    if not all(isinstance(v, torch.Tensor) for v in vals):
-        return None
-
-    def decomposed(*tensors: Any) -> Any:
-        values = list(leaves)
-        for i, tensor in zip(where, tensors, strict=True):
-            values[i] = tensor
-        a, k = pytree.tree_unflatten(values, spec)
-        return _compat.call_at_key(target, "CompositeImplicitAutograd", a, k)
-
-    from torch.fx.experimental.proxy_tensor import make_fx  # only for graphs that hold such an op
-
-    try:
-        sub = make_fx(decomposed, pre_dispatch=True, tracing_mode="fake")(*vals)
-    except Exception:  # a decomposition fake tensors cannot run: the op stays whole
-        return None
-    if any(n.op == "get_attr" for n in sub.graph.nodes):
-        return None
-    outputs = [n for n in sub.graph.nodes if n.op == "output"]
-    if len(outputs) != 1 or not isinstance(outputs[0].args[0], fx.Node):
-        return None
-    return sub
-
-
 def _is_tensor(value: Any) -> bool:
     return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
 
@@ -270,14 +261,6 @@ def _fake_call(fake_mode: Any, target: Callable[..., Any], args: Any, kwargs: An
             return target(*vals[0], **vals[1])
     except Exception:  # a higher-order op or a node fake tensors cannot run: keep what the trace recorded
         return node.meta.get("val")
-
-
-def _where(node: fx.Node) -> str:
-    trace = node.meta.get("stack_trace")
-    if not trace:
-        return f" (graph node {node.name})"
-    last = [line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File ")]
-    return f" (graph node {node.name}, from {last[-1] if last else trace.strip()})"
 
 
 def _refake(fake_mode: Any, val: Any) -> Any:
