@@ -383,3 +383,21 @@ def test_a_composite_whose_decomposition_fails_is_refused_not_left_whole():
     gm = torch.export.export(model, (x, h)).module()
     with pytest.raises(RuntimeError, match=r"apply_policy cannot rewrite aten.tensordot.*same dtype.*test_graph.py"):
         apply_policy(gm, mixprec.policies.CPU, BF16)
+
+
+class _Widens(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.linear(x)  # bf16 after the rewrite; export checks the float32 it had before each .float()
+        return self.linear(y.float()), y.float() + 1, y.to(torch.float32)
+
+
+def test_export_dtype_checks_follow_the_rewritten_dtypes():
+    model, x = _Widens(), torch.randn(4, 8)
+    gm = torch.export.export(model, (x,)).module()
+    assert any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in gm.graph.nodes)
+    low = apply_policy(gm, mixprec.policies.CPU, BF16)
+    _assert_bitwise(low(x), _native(model, x))

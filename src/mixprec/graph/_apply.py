@@ -125,6 +125,8 @@ class _Rewrite:
                 return inlined
         if category is not None:
             target, args, kwargs = self._apply(category, node, target, args, kwargs)
+        elif target is _ASSERT_METADATA and _is_tensor(args[0]):
+            args, kwargs = _assert_dtype(args, kwargs, args[0].meta["val"].dtype)
         new = self.casts.graph.call_function(target, args, kwargs)
         new.meta = {**node.meta}
         effects = None
@@ -244,6 +246,20 @@ class _Rewrite:
         if plan.dtype_arg is not None:
             return _rules.with_dtype_arg(target, args, kwargs, plan)
         return target, args, kwargs
+
+
+#: The check export writes before a ``.to``/``.float()`` (the dtype, device and layout its input had in the trace).
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+def _assert_dtype(args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype) -> tuple[Any, ...]:
+    """An ``_assert_tensor_metadata`` call's arguments, checking the dtype its input has after the rewrite (a
+    ``.float()`` of a linear's output checked float32, which the linear no longer gives)."""
+    if len(args) > 3:
+        return (*args[:3], dtype, *args[4:]), kwargs
+    if kwargs.get("dtype") is not None:
+        return args, {**kwargs, "dtype": dtype}
+    return args, kwargs
 
 
 #: How many CompositeImplicitAutograd decompositions deep the pass follows an op with no category.
