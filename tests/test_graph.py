@@ -401,3 +401,150 @@ def test_export_dtype_checks_follow_the_rewritten_dtypes():
     assert any(n.target is torch.ops.aten._assert_tensor_metadata.default for n in gm.graph.nodes)
     low = apply_policy(gm, mixprec.policies.CPU, BF16)
     _assert_bitwise(low(x), _native(model, x))
+
+
+class _Subgraphs(torch.nn.Module):
+    """A linear inside each higher-order op export writes: the op calls a subgraph, which the rewrite must reach."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.linear, self.inner, self.kind = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), kind
+
+    def forward(self, x):
+        return getattr(self, self.kind)(x)
+
+    def cond(self, x):
+        return torch.cond(x.sum() > 0, lambda t: self.linear(t), lambda t: self.linear(-t), (x,))
+
+    def nested_cond(self, x):
+        def inner(t):
+            return torch.cond(t.mean() > 1, lambda u: self.linear(u), lambda u: self.linear(u * 2), (t,))
+
+        return torch.cond(x.sum() > 0, inner, lambda t: self.linear(-t), (self.linear(x).float(),))
+
+    def while_loop(self, x):
+        def body(i, t):
+            return i + 1, torch.tanh(self.linear(t)).float()  # a carried value keeps its dtype, as eager requires
+
+        return torch._higher_order_ops.while_loop(lambda i, t: i < 3, body, (torch.zeros((), dtype=torch.int64), x))
+
+    def map(self, x):
+        return torch._higher_order_ops.map(lambda t: self.linear(t), x.reshape(2, 2, 8))
+
+    def scan(self, x):
+        def combine(carry, t):
+            new = torch.tanh(self.linear(carry + t)).float()
+            return new, self.linear(new)
+
+        return torch._higher_order_ops.scan(combine, x[:1], x.reshape(4, 1, 8))
+
+    def no_grad(self, x):
+        y = self.linear(x)
+        with torch.no_grad():
+            z = self.linear(y)
+        return self.linear(z)
+
+    def autocast_disabled(self, x):
+        y = self.linear(x)
+        r = y.relu()  # (y itself after y.float() would be that .float(): the float32 trace cannot tell them apart)
+        with torch.autocast("cpu", enabled=False):
+            z = self.linear(y.float())  # float32 inside, from the bf16 output of the region around
+        return r, z, self.linear(z)
+
+    def autocast_float16(self, x):
+        y = self.linear(x)
+        with torch.autocast("cpu", dtype=torch.float16):
+            # float16: the inner region replaces the policy, as a nested torch.autocast does (another linear:
+            # torch's cast cache, keyed by the weight alone, would hand this one the outer region's bf16 copy)
+            z = self.inner(y)
+        return y.relu(), z, self.linear(z.float())
+
+
+SUBGRAPH_KINDS = [
+    "cond", "nested_cond", "while_loop", "map", "scan", "no_grad", "autocast_disabled", "autocast_float16"
+]
+
+
+@pytest.mark.parametrize("kind", SUBGRAPH_KINDS)
+def test_the_subgraphs_of_higher_order_ops_are_rewritten(kind):
+    torch.manual_seed(0)
+    model, x = _Subgraphs(kind), torch.randn(4, 8).abs()
+    gm = torch.export.export(model, (x,)).module()
+    low = apply_policy(gm, mixprec.policies.CPU, BF16)
+    for inputs in (x, -x, x * 0.01):  # each branch of the conds
+        expected, plain = _native(model, inputs), torch.utils._pytree.tree_leaves(gm(inputs))
+        assert not all(map(torch.equal, plain, torch.utils._pytree.tree_leaves(expected)))  # the policy matters
+        _assert_bitwise(low(inputs), expected)
+
+
+def test_a_subgraph_called_twice_on_other_dtypes_is_rewritten_once_for_each():
+    # invoke_subgraph (a nested_compile_region, as AOTAutograd writes it): the first call takes x in float32,
+    # the second the first's bf16 output, so each gets its own rewrite (and identifier).
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch.manual_seed(0)
+    linear, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+
+    @torch.compiler.nested_compile_region
+    def block(t):
+        return torch.relu(linear(t))
+
+    def twice(t):
+        return block(block(t))
+
+    graphs = []
+    with torch.no_grad():
+        torch.compile(twice, backend=aot_autograd(fw_compiler=lambda gm, _: graphs.append(gm) or gm), fullgraph=True)(x)
+    (gm,) = graphs
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len(calls) == 2 and len({n.args[0].target for n in calls}) == 1
+    low = apply_policy(gm, mixprec.policies.CPU, BF16)
+    calls = [n for n in low.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert len({n.args[0].target for n in calls}) == len({n.args[1] for n in calls}) == 2
+    inputs = [{"x": x, "weight": linear.weight, "bias": linear.bias}[_aot_input(gm, n)] for n in _placeholders(gm)]
+    with torch.no_grad():
+        _assert_bitwise(low(*inputs), (_native(twice, x),))
+
+
+def _placeholders(gm):
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _aot_input(gm, placeholder):
+    """Which of x, weight, bias an AOTAutograd placeholder is, by its shape."""
+    return {(4, 8): "x", (8, 8): "weight", (8,): "bias"}[tuple(placeholder.meta["val"].shape)]
+
+
+class _BadSubgraphs(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.linear, self.kind = torch.nn.Linear(8, 8), kind
+
+    def forward(self, x):
+        if self.kind == "cond":  # a bf16 branch and a float32 one
+            return torch.cond(x.sum() > 0, lambda t: self.linear(t), lambda t: t * 2, (x,))
+        if self.kind == "while_loop":  # the body turns the carried float32 value into bf16
+            return torch._higher_order_ops.while_loop(
+                lambda i, t: i < 3, lambda i, t: (i + 1, self.linear(t)), (torch.zeros((), dtype=torch.int64), x)
+            )
+        from torch._higher_order_ops.hints_wrap import hints_wrapper
+
+        return hints_wrapper(lambda t: self.linear(t), (x,), {}, hints={"outer_body": True})
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "match"),
+    [
+        ("cond", RuntimeError, "torch.cond: under the policy its branches return different dtypes"),
+        ("while_loop", RuntimeError, "while_loop: under the policy its body returns a carried value"),
+        ("hints_wrapper", NotImplementedError, "the higher-order op hints_wrapper: it runs a subgraph"),
+    ],
+)
+def test_a_higher_order_op_the_rewrite_cannot_express_is_refused(kind, error, match):
+    model, x = _BadSubgraphs(kind), torch.randn(4, 8)
+    gm = torch.export.export(model, (x,)).module()
+    if kind != "hints_wrapper":  # eager autocast refuses these too
+        with pytest.raises(Exception, match=r"same metadata|dtype"):
+            _native(model, x)
+    with pytest.raises(error, match=rf"apply_policy cannot rewrite {match}.*test_graph.py"):
+        apply_policy(gm, mixprec.policies.CPU, BF16)

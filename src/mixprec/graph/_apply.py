@@ -12,7 +12,12 @@ Algorithm::
             fp8 (scaled_mm)           -> where fp8 may run it (_fp8.fits, a symbolic size as 16), one node
                                          calling the kernels' rule (_fp8.scaled_call), which decides when
                                          it runs; else as lower_precision_fp
+        elif node calls an ATen op with no category: its CompositeImplicitAutograd decomposition, rewritten,
+            where that reaches an op with one (``_decompose``), as eager autocast casts below the composite
+        elif node calls a higher-order op: each subgraph it calls rewritten by the same rules, on the values
+            it hands it, into a copy (``_subgraphs``)
         copy the node; compute its fake value from its new inputs
+        Casts.note(the new node): what it aliases and writes, so no cast outlives a write to its source
 
 The category is the engine's for the node's overload (``_tables``: the device's
 effective table, as the eager kernels read it), and what it does is the
@@ -34,8 +39,9 @@ from torch.utils import _pytree as pytree
 
 from mixprec import _errors
 from mixprec.engine import _devices, _plan, _rules, _tables
-from mixprec.graph import _decompose, _fp8
+from mixprec.graph import _decompose, _fp8, _subgraphs
 from mixprec.graph._casts import Casts, is_cast
+from mixprec.graph._subgraphs import attribute as _attr
 from mixprec.policies import Category, Policy
 from mixprec.policies._category import Action
 
@@ -74,39 +80,83 @@ def apply_policy(
         torch.bfloat16
     """
     _check(gm, policy, dtype, device_type)
-    fake_mode = _fake_mode(gm)
-    graph = fx.Graph()
-    graph._codegen = copy.deepcopy(gm.graph._codegen)
-    casts = Casts(graph, fake_mode)
-    rewrite = _Rewrite(policy, dtype, device_type, casts)
-    env: dict[fx.Node, fx.Node] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-            new = rewrite.call(node, pytree.tree_map_only(fx.Node, env.__getitem__, (node.args, node.kwargs)))
-        else:
-            new = graph.node_copy(node, env.__getitem__)
-            if node.op in ("placeholder", "get_attr"):
-                val = node.meta["val"] if "val" in node.meta else _attr(gm, node.target)
-                new.meta["val"] = _refake(fake_mode, val)
-            elif node.op == "call_function":
-                new.meta["val"] = _fake_call(fake_mode, node.target, new.args, new.kwargs, node)
-            casts.note(new)
-        env[node] = new
-    return fx.GraphModule(gm, graph)
+    return _Rewrite(policy, dtype, device_type, _fake_mode(gm)).module(gm, None)[0]
 
 
 class _Rewrite:
-    def __init__(self, policy: Policy, dtype: torch.dtype, device_type: str | None, casts: Casts) -> None:
-        self.policy, self.dtype, self.device_type, self.casts = policy, dtype, device_type, casts
+    def __init__(
+        self,
+        policy: Policy,
+        dtype: torch.dtype,
+        device_type: str | None,
+        fake_mode: Any,
+        table: dict[Any, Category] | None = None,
+    ) -> None:
+        self.policy, self.dtype, self.device_type, self.fake_mode = policy, dtype, device_type, fake_mode
         # The engine's table of overloads, as the eager kernels read it: the device's effective table (what
         # runs there under this policy, torch's own kernels included), or the policy's own for any device.
-        if device_type is not None and _tables.autocast_key(device_type) is not None:
+        if table is not None:
+            self.table = table
+        elif device_type is not None and _tables.autocast_key(device_type) is not None:
             self.table = _tables.effective(policy, device_type)[0]
         else:
             self.table = _tables.categories(policy)
         # Calls (``_decompose.signature``: all a decomposition depends on) whose decomposition reaches no op
         # with a category: traced once per graph, not at every node (a graph holds many reshapes).
         self._barren: set[Hashable] = set()
+        self.casts = Casts(fx.Graph(), fake_mode)  # the graph being written (``module`` sets it)
+
+    def module(self, gm: fx.GraphModule, inputs: list[Any] | None) -> tuple[fx.GraphModule, Any]:
+        """``gm`` rewritten (its placeholders holding ``inputs``, or the values they recorded), and the values
+        of its outputs. A subgraph a higher-order op calls is rewritten into a copy (``_subgraphs``)."""
+        graph = fx.Graph()
+        graph._codegen = copy.deepcopy(gm.graph._codegen)
+        outer, self.casts = self.casts, Casts(graph, self.fake_mode)
+        try:
+            subgraphs = self._copy(gm, graph, iter(inputs) if inputs is not None else None)
+        finally:
+            self.casts = outer
+        for node in graph.nodes:
+            if node.op == "get_attr" and not node.users and isinstance(node.meta.get("val"), fx.GraphModule):
+                graph.erase_node(node)  # a subgraph only the original higher-order op called
+        root = {n.target: subgraphs[n.target] if n.target in subgraphs else _attr(gm, n.target)
+                for n in graph.nodes if n.op in ("get_attr", "call_module")}
+        out = fx.GraphModule(root, graph)
+        out.training = gm.training
+        output = next(n for n in graph.nodes if n.op == "output")
+        return out, pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), output.args[0])
+
+    def under(self, device_type: str, dtype: torch.dtype, enabled: bool) -> _Rewrite:
+        """The pass inside a ``torch.autocast`` region in the graph: torch's own table on the device at the
+        region's dtype, or no casts where the region is disabled."""
+        table = _tables.native(device_type) if enabled else {}
+        return _Rewrite(_tables.default_policy(device_type), dtype, device_type, self.fake_mode, table)
+
+    def _copy(self, gm: fx.GraphModule, graph: fx.Graph, inputs: Any) -> dict[str, fx.GraphModule]:
+        """Write ``gm``'s nodes into ``graph``, rewritten; the subgraphs written, by attribute name."""
+        env: dict[fx.Node, fx.Node] = {}
+        subgraphs: dict[str, fx.GraphModule] = {}
+        for node in gm.graph.nodes:
+            mapped = pytree.tree_map_only(fx.Node, env.__getitem__, (node.args, node.kwargs))
+            if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+                env[node] = self.call(node, mapped)
+                continue
+            if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
+                new = _subgraphs.call(self, gm, node, mapped, subgraphs)
+                if new is not None:
+                    env[node] = new
+                    continue
+            new = graph.node_copy(node, env.__getitem__)
+            if node.op == "placeholder" and inputs is not None:
+                new.meta["val"] = next(inputs)
+            elif node.op in ("placeholder", "get_attr"):
+                val = node.meta["val"] if "val" in node.meta else _attr(gm, node.target)
+                new.meta["val"] = _refake(self.fake_mode, val)
+            elif node.op == "call_function":
+                new.meta["val"] = _fake_call(self.fake_mode, node.target, new.args, new.kwargs, node)
+            self.casts.note(new)
+            env[node] = new
+        return subgraphs
 
     def eligible(self, value: Any) -> bool:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None
@@ -119,7 +169,7 @@ class _Rewrite:
         args, kwargs = inputs
         target: Any = node.target
         category = self.table.get(target)
-        if category is None and depth < _DEPTH:
+        if category is None and depth < _DEPTH and self.table:  # (none in a disabled torch.autocast region)
             inlined = self._inline(node, target, args, kwargs, depth)
             if inlined is not None:
                 return inlined
@@ -300,13 +350,6 @@ def _fake_mode(gm: fx.GraphModule) -> Any:
             )
         )
     return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-def _attr(gm: fx.GraphModule, target: Any) -> torch.Tensor:
-    obj: Any = gm
-    for part in str(target).split("."):
-        obj = getattr(obj, part)
-    return obj  # type: ignore[no-any-return]
 
 
 def _check(gm: object, policy: object, dtype: object, device_type: object) -> None:

@@ -140,5 +140,9 @@ def where(node: fx.Node) -> str:
     trace = node.meta.get("stack_trace")
     if not trace:
         return f" (graph node {node.name})"
-    last = [line.strip() for line in trace.strip().splitlines() if line.strip().startswith("File ")]
+    last = [
+        line.strip()
+        for line in trace.strip().splitlines()
+        if line.strip().startswith("File ") and "<eval_with_key>" not in line  # not code torch generated
+    ]
     return f" (graph node {node.name}, from {last[-1] if last else trace.strip()})"
