@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
@@ -221,3 +223,32 @@ def test_explain_with_an_example_changes_nothing_training_sees():
     assert plain[2].keys() == looked[2].keys() and all(torch.equal(plain[2][k], looked[2][k]) for k in plain[2])
     assert torch.equal(plain[3], looked[3])
     mixprec.engine.reset()
+
+
+def test_with_an_example_the_first_layers_are_every_one_reading_the_first_input():
+    # q, k and v read the same normed input: all three are "first" in call order; registration order names q only.
+    import importlib.util
+
+    path = pathlib.Path(__file__).parent.parent / "examples" / "fp8_layers.py"
+    spec = importlib.util.spec_from_file_location("_fp8_layers_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model, inputs = example.build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    with mixprec.choose_fp8_layers(model, min_features=256) as by_registration:
+        assert by_registration.kept == ("layers.0.q_proj", "lm_head")
+    with mixprec.choose_fp8_layers(model, min_features=256, example=inputs) as by_calls:
+        assert by_calls.kept == ("layers.0.q_proj", "layers.0.k_proj", "layers.0.v_proj", "lm_head")
+        sites = mixprec.explain(model, "cpu", FP8, example=inputs)
+        assert [s.runs_in for s in sites][:4] == ["bfloat16"] * 3 + ["float8_e4m3fn"]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_with_an_example_a_sequential_chain_keeps_only_its_ends():
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))
+    with mixprec.choose_fp8_layers(model, min_features=16, example=(torch.randn(8, 32),)) as layers:
+        assert layers.kept == ("0", "3")
+    with pytest.raises(TypeError, match="example"):
+        mixprec.choose_fp8_layers(model, example=torch.randn(8, 32))

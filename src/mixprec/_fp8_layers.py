@@ -163,6 +163,8 @@ def choose_fp8_layers(
     keep: Iterable[str] | str = (),
     keep_first_and_last: bool = True,
     min_features: int = MIN_FEATURES,
+    example: tuple[Any, ...] | None = None,
+    example_kwargs: dict[str, Any] | None = None,
 ) -> Fp8Layers:
     """Keep the layers where fp8 hurts or loses out of it: set a module policy on each of them.
 
@@ -176,8 +178,13 @@ def choose_fp8_layers(
         policy: The policy the region runs, with ops in ``fp8``; default ``mixprec.policies.FP8``.
         keep: Module paths or fnmatch patterns (``"lm_head"``, ``"*.attn.*"``) of layers, or of modules whose
             layers, to keep out as well. A pattern that matches no module is an error.
-        keep_first_and_last: Keep the first and the last linear layer out (the commonest choice).
+        keep_first_and_last: Keep the first and the last linear layer out (the commonest choice). Without
+            ``example``, the first and last registered; with it, in the order the model calls them, every layer
+            that reads the first one's input (a decoder's q, k and v projections) and the last one's.
         min_features: Keep layers whose in or out features are below this out (fp8 loses there).
+        example: Positional inputs of one call of ``model``, run once without gradients to find the order of
+            its layers (nothing it changes is kept: buffers, generators, gradients are put back).
+        example_kwargs: Keyword inputs of that call.
 
     Returns:
         An :class:`Fp8Layers` handle: its ``choices`` say what each layer runs in and why; ``remove()``
@@ -202,11 +209,18 @@ def choose_fp8_layers(
             _errors.message("choose_fp8_layers: min_features is invalid", "it is the smallest layer size in fp8",
                             received={"min_features": min_features}, expected="an int >= 0")
         )  # fmt: skip
+    _errors.check_type("example", example, tuple, optional=True, what="choose_fp8_layers")
+    _errors.check_type("example_kwargs", example_kwargs, dict, optional=True, what="choose_fp8_layers")
     modules = dict(model.named_modules(remove_duplicate=False))
     patterns = _check_keep(keep, list(modules))
     layers = [(path, m, shape) for path, m in modules.items() if (shape := _linear_shape(m)) is not None]
     embedded = {id(m.weight) for m in modules.values() if isinstance(m, torch.nn.Embedding)}
-    ends = {layers[0][0], layers[-1][0]} if layers and keep_first_and_last else set()
+    ends: set[str] = set()
+    if layers and keep_first_and_last:
+        if example is None and example_kwargs is None:
+            ends = {layers[0][0], layers[-1][0]}
+        else:
+            ends = _ends_in_call_order(model, layers, example or (), example_kwargs or {})
     fallback = fallback_of(policy)
     choices, handles = [], []
     seen: set[int] = set()
@@ -219,6 +233,38 @@ def choose_fp8_layers(
             handles.append((layer, _module.set_module_policy(layer, fallback)))
             _KEPT[layer] = choice
     return Fp8Layers(policy, fallback, tuple(choices), handles)
+
+
+def _ends_in_call_order(
+    model: torch.nn.Module, layers: list[tuple[str, torch.nn.Module, Any]], args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> set[str]:
+    """The paths of the first and last layers as ``model(*args, **kwargs)`` calls them: every layer that reads
+    the tensor the first call read, and every one that reads the tensor the last call read (a layer shared
+    under several paths counts under each)."""
+    paths: dict[int, list[str]] = {}
+    for path, layer, _ in layers:
+        paths.setdefault(id(layer), []).append(path)
+    calls: list[tuple[int, tuple[Any, ...]]] = []
+    alive: list[Any] = []  # each input kept to the end of the run: no later tensor takes its memory (and key)
+
+    def seen(layer: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
+        x = inputs[0] if inputs else None
+        alive.append(x)
+        key = (id(x),) if not isinstance(x, torch.Tensor) else (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+        calls.append((id(layer), key))
+
+    hooks = [layer.register_forward_pre_hook(seen) for layer in {id(m): m for _, m, _ in layers}.values()]
+    try:
+        with untouched(model), torch.no_grad():
+            model(*args, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if not calls:
+        return set()
+    first, last = calls[0][1], calls[-1][1]
+    return {path for layer, key in calls if key in (first, last) for path in paths[layer]}
 
 
 def _reason(

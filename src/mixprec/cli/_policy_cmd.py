@@ -153,7 +153,8 @@ def layers(
     inputs = tuple(t.to(device) if hasattr(t, "to") else t for t in inputs)
     console = _console()
     try:
-        chosen = mixprec.choose_fp8_layers(model, policy, keep=keep, min_features=min_features) if choose else None
+        chosen = (mixprec.choose_fp8_layers(model, policy, keep=keep, min_features=min_features, example=inputs)
+                  if choose else None)
     except ValueError as error:
         raise CliError(str(error).replace("\n", " ")) from None
     try:
