@@ -166,3 +166,37 @@ def test_a_target_sees_itself_run_as_python_would_run_it(capsys, tmp_path, monke
     assert quitting.code == 2 and "called sys.exit(3)" in quitting.err and "\n" not in quitting.err.strip()
     assert list(__import__("sys").argv) == argv  # (put back)
     __import__("sys").modules.pop("train_script", None)
+
+
+_OVERFLOWING_FP8 = """\
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(32, 32) for _ in range(3))
+        with torch.no_grad():
+            self.b.weight.mul_(30000.0)  # b's float16 output overflows: c's fp8 input amax is inf
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def build():
+    torch.manual_seed(0)
+    return Net(), (torch.randn(16, 32) * 10,), lambda out: out.float().pow(2).mean()
+"""
+
+
+def test_an_fp8_call_site_with_an_inf_amax_writes_a_valid_report(capsys, tmp_path):
+    (tmp_path / "overflowing_fp8.py").write_text(_OVERFLOWING_FP8)
+    (tmp_path / "fp8.toml").write_text(mixprec.policies.FP8.to_toml())
+    result = run(capsys, "doctor", f"{tmp_path / 'overflowing_fp8.py'}:build", "--dtype", "float16", "--policy",
+                 str(tmp_path / "fp8.toml"), "--out", str(tmp_path / "out"))  # fmt: skip
+    assert result.code == 0, result.err
+    report = json.loads((tmp_path / "out" / "report.json").read_text())  # (strict JSON: no bare inf or NaN)
+    assert report["first_nonfinite"]["module"] == "b"
+    amaxes = [row["fp8_amax"] for row in report["ops"] if row["fp8_format"] is not None]
+    assert "inf" in amaxes, amaxes
+    assert (tmp_path / "out" / "report.html").is_file()

@@ -12,6 +12,7 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -223,7 +224,18 @@ def run_doctor(target: str, device: str, dtype: str | None, policy: Path | None,
         console.print(line, highlight=False, markup=False, soft_wrap=True)
     os.makedirs(out, exist_ok=True)
     report = diagnosis.to_json(target)
-    (out / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False))
+    (out / "report.json").write_text(json.dumps(_finite(report), indent=2, allow_nan=False))
     write_html(report, out / "report.html")
     console.print(f"Wrote {out / 'report.json'} and {out / 'report.html'}")
 
+
+def _finite(value: Any) -> Any:
+    """``value`` (the report) with each float that is not finite (an fp8 call's inf amax) as the string JSON
+    can hold: ``"inf"``, ``"-inf"`` or ``"nan"``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
