@@ -252,3 +252,70 @@ def test_with_an_example_a_sequential_chain_keeps_only_its_ends():
         assert layers.kept == ("0", "3")
     with pytest.raises(TypeError, match="example"):
         mixprec.choose_fp8_layers(model, example=torch.randn(8, 32))
+
+
+def _fp8_weights(model, *inputs):
+    """The shapes of the weights that ran fp8 GEMMs in one forward under FP8."""
+    seen = []
+
+    def observe(call):
+        if isinstance(call, _fp8.Fp8Call):
+            seen.append(tuple(call.weight.shape))
+
+    _fp8.observers.append(observe)
+    try:
+        with mixprec.autocast("cpu", policy=FP8):
+            model(*inputs)
+    finally:
+        _fp8.observers.remove(observe)
+    return seen
+
+
+class _Attending(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mid = torch.nn.Linear(32, 32)
+        self.mha = torch.nn.MultiheadAttention(32, 2, batch_first=True)
+
+    def forward(self, x):
+        x = self.mid(x)
+        return self.mha(x, x, x)[0]
+
+
+def test_a_multihead_attention_is_one_layer_kept_whole_and_explain_lists_its_projections():
+    torch.manual_seed(0)
+    model, x = _Attending(), torch.randn(2, 8, 32)
+    with mixprec.choose_fp8_layers(model, min_features=16) as layers:
+        assert [(c.path, c.kind, c.fp8) for c in layers.choices] == [
+            ("mid", "Linear", False), ("mha", "MultiheadAttention", False)]
+        assert _fp8_weights(model, x) == []  # its out_proj's forward never runs: the policy is on the attention
+        sites = mixprec.explain(model, "cpu", FP8, example=(x,))
+        assert [(s.module, s.op, s.runs_in) for s in sites] == [("mid", "linear", "bfloat16")] + [
+            ("mha", "linear", "bfloat16")] * 2
+    with mixprec.choose_fp8_layers(model, min_features=16, keep_first_and_last=False):
+        assert sorted(_fp8_weights(model, x)) == [(32, 32), (32, 32), (96, 32)]
+        assert [s.runs_in for s in mixprec.explain(model, "cpu", FP8, example=(x,))] == ["float8_e4m3fn"] * 3
+
+
+def test_a_module_under_two_paths_gets_one_decision():
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(4))
+    model.head = torch.nn.Linear(32, 32)
+    model.alias = model.layers[1]  # registered after head: not the last layer
+    model.forward = lambda x: model.head(torch.nn.Sequential(*model.layers)(x))
+    x = torch.randn(16, 32)
+    with mixprec.choose_fp8_layers(model, min_features=16) as layers:
+        assert layers.kept == ("layers.0", "head")
+        assert len(_fp8_weights(model, x)) == 3
+    with mixprec.choose_fp8_layers(model, min_features=16, keep=["alias"]) as layers:
+        assert layers.kept == ("layers.0", "layers.1", "head", "alias")
+        assert len(_fp8_weights(model, x)) == 2
+
+
+def test_explain_gives_a_model_only_its_own_kept_reasons():
+    make = lambda: torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(4)))  # noqa: E731
+    chosen, other = make(), make()
+    with mixprec.choose_fp8_layers(chosen, min_features=16):
+        sites = mixprec.explain(other, "cpu", FP8, example=(torch.randn(16, 32),))
+    assert [s.runs_in for s in sites] == ["float8_e4m3fn"] * 4

@@ -3,7 +3,8 @@ lists what each matmul-family call of a model does, by module path, before any t
 
 Algorithm of ``choose_fp8_layers(model, policy)`` (``policy`` runs the matmul family in ``fp8``)::
 
-    layers = the model's linear layers (nn.Linear, and Conv1D-style modules with a 2-D weight), in order
+    layers = the model's linear layers (nn.Linear, Conv1D-style modules with a 2-D weight, and
+             nn.MultiheadAttention, whose own forward runs its projections), in order
     for each layer, the first rule that applies keeps it out of fp8, with its reason:
         under a module policy the user set (on it or a parent)    -> left to that policy
         matched by a ``keep`` pattern                              -> kept
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import inspect
 import typing
 import weakref
 from collections.abc import Iterable, Iterator
@@ -60,12 +62,21 @@ class LayerChoice:
 def _linear_shape(module: torch.nn.Module) -> tuple[int, int] | None:
     """``(in_features, out_features)`` of a linear layer: ``nn.Linear``, or a Conv1D-style module (Hugging
     Face's GPT-2) whose 2-D weight is ``in x out`` and whose forward is an addmm."""
+    if isinstance(module, torch.nn.MultiheadAttention):  # its forward runs its in and out projections' GEMMs
+        return module.embed_dim, module.embed_dim  # itself: the attention is the layer a module policy can keep out
     if isinstance(module, torch.nn.Linear):
         return module.in_features, module.out_features
     weight = getattr(module, "weight", None)
     if type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return int(weight.shape[0]), int(weight.shape[1])
     return None
+
+
+def _attention_projection(path: str, modules: dict[str, torch.nn.Module]) -> bool:
+    """Whether ``path`` is an ``nn.MultiheadAttention``'s ``out_proj``, whose forward never runs (the attention's
+    own does its GEMM, and is the layer)."""
+    parent, _, name = path.rpartition(".")
+    return name == "out_proj" and isinstance(modules.get(parent), torch.nn.MultiheadAttention)
 
 
 def _under_policy(path: str, modules: dict[str, torch.nn.Module]) -> str | None:
@@ -213,23 +224,31 @@ def choose_fp8_layers(
     _errors.check_type("example_kwargs", example_kwargs, dict, optional=True, what="choose_fp8_layers")
     modules = dict(model.named_modules(remove_duplicate=False))
     patterns = _check_keep(keep, list(modules))
-    layers = [(path, m, shape) for path, m in modules.items() if (shape := _linear_shape(m)) is not None]
+    layers = [(path, m, shape) for path, m in modules.items()
+              if (shape := _linear_shape(m)) is not None and not _attention_projection(path, modules)]
     embedded = {id(m.weight) for m in modules.values() if isinstance(m, torch.nn.Embedding)}
     ends: set[str] = set()
     if layers and keep_first_and_last:
-        if example is None and example_kwargs is None:
-            ends = {layers[0][0], layers[-1][0]}
+        if example is None and example_kwargs is None:  # the first and last registered (a shared module: by its
+            firsts: dict[int, str] = {}  # first path)
+            for path, layer, _ in layers:
+                firsts.setdefault(id(layer), path)
+            unique = list(firsts.values())
+            ends = {unique[0], unique[-1]}
         else:
             ends = _ends_in_call_order(model, layers, example or (), example_kwargs or {})
+    # One decision per module, under each of its paths: the first reason one of its paths gives to keep it out.
+    reasons: dict[int, str | None] = {}
+    for path, layer, (fan_in, fan_out) in layers:
+        if reasons.get(id(layer)) is None:
+            reasons[id(layer)] = _reason(path, layer, fan_in, fan_out, modules, patterns, embedded, ends, min_features)
     fallback = fallback_of(policy)
     choices, handles = [], []
-    seen: set[int] = set()
     for path, layer, (fan_in, fan_out) in layers:
-        reason = _reason(path, layer, fan_in, fan_out, modules, patterns, embedded, ends, min_features)
+        reason = reasons[id(layer)]
         choice = LayerChoice(path, type(layer).__name__, fan_in, fan_out, reason is None, reason or "fp8")
         choices.append(choice)
-        if reason is not None and not reason.startswith("under the module policy") and id(layer) not in seen:
-            seen.add(id(layer))
+        if reason is not None and not reason.startswith("under the module policy") and layer not in _KEPT:
             handles.append((layer, _module.set_module_policy(layer, fallback)))
             _KEPT[layer] = choice
     return Fp8Layers(policy, fallback, tuple(choices), handles)
@@ -363,13 +382,16 @@ class _Sites(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.device_type = device_type
         self.stack: list[str] = []
+        self.modules: list[torch.nn.Module] = []  # the modules running, outermost first (``stack``'s paths)
         self.sites: list[CallSite] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        name = _FAMILY.get(getattr(func, "__name__", ""))
-        if name is not None:
-            self.sites.append(self._site(name, args, kwargs))
+        name = getattr(func, "__name__", "")
+        if name in _FAMILY:
+            self.sites.append(self._site(_FAMILY[name], args, kwargs))
+        elif func is torch.nn.functional.multi_head_attention_forward:
+            self.sites.extend(self._site("linear", call, {}) for call in _projections(args, kwargs))
         return func(*args, **kwargs)
 
     def _site(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallSite:
@@ -384,7 +406,7 @@ class _Sites(torch.overrides.TorchFunctionMode):
         entry = _tables.entry_name(policy, op)
         category = policy.table.get(entry) if entry is not None else None
         category = category if category is not None else policy.table.get(name)
-        kept = _kept(module)
+        kept = next((_KEPT[m] for m in reversed(self.modules) if m in _KEPT), None)
         if category is Category.FP8:
             found = _fp8.fit(op, tuple(args), kwargs, device)
             if not isinstance(found, str):
@@ -399,8 +421,17 @@ class _Sites(torch.overrides.TorchFunctionMode):
         return CallSite(module, name, shape, runs, why)
 
 
-def _kept(path: str) -> LayerChoice | None:
-    return next((c for c in list(_KEPT.values()) if path == c.path or path.startswith(c.path + ".")), None)
+def _projections(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """The ``linear`` calls ``F.multi_head_attention_forward(*args, **kwargs)`` makes inside (a mode sees only the
+    composite): its in-projections of query, key and value (one packed weight, or three), then its out-projection
+    (of a tensor shaped as the query)."""
+    bound = inspect.signature(torch.nn.functional.multi_head_attention_forward).bind(*args, **kwargs).arguments
+    query, key, value = bound["query"], bound["key"], bound["value"]
+    if bound.get("use_separate_proj_weight"):
+        calls = [(query, bound["q_proj_weight"]), (key, bound["k_proj_weight"]), (value, bound["v_proj_weight"])]
+    else:
+        calls = [(query, bound["in_proj_weight"], bound["in_proj_bias"])]
+    return [*calls, (query, bound["out_proj_weight"], bound["out_proj_bias"])]
 
 
 def _dtype(tensors: list[torch.Tensor]) -> str:
@@ -424,9 +455,11 @@ def call_sites(
 
     def enter(module: torch.nn.Module, *_: Any) -> None:
         mode.stack.append(paths.get(id(module), "?"))
+        mode.modules.append(module)
 
     def leave(module: torch.nn.Module, *_: Any) -> None:
         mode.stack.pop()
+        mode.modules.pop()
 
     hooks = [h for m in model.modules() for h in (m.register_forward_pre_hook(enter),
                                                    m.register_forward_hook(leave, always_call=True))]  # fmt: skip
