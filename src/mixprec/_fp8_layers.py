@@ -428,7 +428,8 @@ def _projections(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[An
     bound = inspect.signature(torch.nn.functional.multi_head_attention_forward).bind(*args, **kwargs).arguments
     query, key, value = bound["query"], bound["key"], bound["value"]
     if bound.get("use_separate_proj_weight"):
-        calls = [(query, bound["q_proj_weight"]), (key, bound["k_proj_weight"]), (value, bound["v_proj_weight"])]
+        calls: list[tuple[Any, ...]] = [(query, bound["q_proj_weight"]), (key, bound["k_proj_weight"]),
+                                        (value, bound["v_proj_weight"])]
     else:
         calls = [(query, bound["in_proj_weight"], bound["in_proj_bias"])]
     return [*calls, (query, bound["out_proj_weight"], bound["out_proj_bias"])]
