@@ -295,6 +295,7 @@ TRACED_DIFFERENTLY = {
 CALLS_BELOW_AUTOGRAD = {
     "aten::_trilinear": ("bmm",),  # bilinear's kernel
     "aten::linalg_pinv": ("matmul",),  # pinverse's
+    "aten::linalg_matrix_sqrth": ("matmul",),  # torch 2.15's: its CPU kernel calls matmul
     "aten::vdot": ("dot",),
     "aten::stack": ("cat",),
 }
