@@ -275,12 +275,22 @@ def main(argv: list[str] | None = None) -> int:
     info = common.machine()
     where = f"GPU: {info['gpu']}, CUDA {info['cuda']}" if common._gpu() else f"CPU: {info['cpu']} (fp8 emulated)"
     print(f"{where}; torch {info['torch']}, mixprec {info['mixprec']}, repeats {args.repeats}\n")
-    rows = []
+    rows: list[dict[str, Any]] = []
+    losses = None
+
+    def save() -> None:  # after every case, so what finished survives a time limit
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"command": " ".join(sys.argv), "machine": info, "cases": rows, "loss": losses}, f, indent=1)
+
     for name in args.cases:
         built = llama_case()[0:1] if name == "llama" else mlp_cases(name.removeprefix("mlp-"))
         for case in built:
             run(case, args.repeats, args.warmup, args.sample_ms)
             rows.append(summarize(case))
+            med = rows[-1]["median_ms"]
+            print(f"measured {case.name}: bf16 {med['bf16']:.2f} ms, fp8 {med['fp8']:.2f} ms", flush=True)
+            save()
             torch._dynamo.reset()
             mixprec.engine.reset()
     header = f"{'case':26} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8 speed-up':>13} {'(paired)':>9}  goal"
@@ -295,7 +305,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['paired_speedup']:8.2f}x  {goal}")  # fmt: skip
     for row in rows:
         print(f"{row['case']}: {row['description']}; {row['inner']} steps per sample")
-    losses = None
     if loss_steps and "llama" in args.cases:
         losses = loss_comparison(loss_steps)
         verdict = (f"goal <= {LOSS_GOAL:.0%} {'met' if losses['relative'] <= LOSS_GOAL else 'MISSED'}"
@@ -309,9 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             "\nCPU: fp8 is emulated (a float32 product of the fp8 values): these times check the benchmark, "
             "they are no fp8 speed figure."
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "machine": info, "cases": rows, "loss": losses}, f, indent=1)
+    save()
     missed = any(row["goal_met"] is False for row in rows)
     missed = missed or (common._gpu() and losses is not None and losses["relative"] > LOSS_GOAL)
     return 1 if missed else 0

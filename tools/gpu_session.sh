@@ -6,10 +6,12 @@
 #   bash tools/gpu_session.sh bench   benchmarks/fp8.py (the issue's goals: Llama-3-8B MLP block, ~1B Llama
 #                                     step and its 200-step loss), eager_overhead.py (GPT-2 small with every op
 #                                     a mixprec kernel), kernel_cost.py and `mixprec demo`
+#   bash tools/gpu_session.sh all     both in one command of at most 9.5 minutes (shorter limits per step, no
+#                                     JUnit file): for a session whose device time fits one machine start only
 #
-# Each step runs under its own time limit, so what finished comes back when a later step runs out of time;
-# a part takes at most 9 minutes. Logs and JSON go to $OUT (the device tool's folder: at most 8 files come back,
-# and each part writes at most 7), else ./gpu-session.
+# Each step runs under its own time limit, so what finished comes back when a later step runs out of time
+# (fp8.py writes its JSON after every case); a part takes at most 9 minutes. Logs and JSON go to $OUT (the device
+# tool's folder: at most 8 files come back; a part writes at most 7, `all` 7), else ./gpu-session.
 # GPU_SESSION_DEVICE=cpu runs the same steps on a CPU, shortened, to check the wiring without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +19,7 @@ part=${1:-}
 device=${GPU_SESSION_DEVICE:-cuda}
 out=${OUT:-gpu-session}
 mkdir -p "$out"
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
 quick=$([ "$device" = cpu ] && echo 1 || echo 0)
 failed=0
@@ -38,37 +40,49 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND with output to $out/NAME.l
     "$python" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 } >"$out/summary.txt" 2>&1
 
-case "$part" in
-tests)
+tests() {  # tests LIMIT [JUNIT]
     export MIXPREC_CUDA_TESTS_DEVICE=$device
+    local select
     if [ "$quick" = 1 ]; then
         select=(-n 2 -k "not opinfo")
     else
-        select=(-n 4)
+        select=(-n 8)
     fi
-    step cuda-tests 480 "$python" -m pytest tests/cuda -q -p no:cacheprovider "${select[@]}" \
-        --junitxml="$out/cuda-tests.xml"
-    ;;
-bench)
+    # pytest-timeout, where installed (the device image has it): a hung test fails alone, with its stack
+    "$python" -c "import pytest_timeout" 2>/dev/null && select+=(--timeout 150)
+    [ -n "${2:-}" ] && select+=(--junitxml="$out/cuda-tests.xml")
+    step cuda-tests "$1" "$python" -m pytest tests/cuda -q -p no:cacheprovider -rfE --durations=15 "${select[@]}"
+}
+
+bench() {  # bench FP8_LIMIT OVERHEAD_LIMIT KERNEL_COST_LIMIT DEMO_LIMIT
+    local fp8 overhead repeats steps
     if [ "$quick" = 1 ]; then
         fp8=(--cases mlp-gpt2-small llama --repeats 3 --warmup 1 --loss-steps 2)
         overhead=(--cases gpt2 --repeats 3)
         repeats=2
         steps=5
     else
-        fp8=(--cases mlp-llama3-8b mlp-gpt2-small llama --repeats 5 --loss-steps 200)
+        fp8=(--cases mlp-llama3-8b llama mlp-gpt2-small --repeats 5 --loss-steps 200)
         overhead=(--cases gpt2 gpt2_kernels --repeats 20)
         repeats=7
         steps=150
     fi
-    step fp8 360 "$python" benchmarks/fp8.py --device "$device" "${fp8[@]}" --json "$out/fp8.json"
-    step eager-overhead 90 "$python" benchmarks/eager_overhead.py --device "$device" "${overhead[@]}" \
+    step fp8 "$1" "$python" benchmarks/fp8.py --device "$device" "${fp8[@]}" --json "$out/fp8.json"
+    step eager-overhead "$2" "$python" benchmarks/eager_overhead.py --device "$device" "${overhead[@]}" \
         --json "$out/eager-overhead.json"
-    step kernel-cost 45 "$python" benchmarks/kernel_cost.py --device "$device" --repeats "$repeats"
-    step demo 45 "$python" -m mixprec demo --device "$device" --steps "$steps" --out "${TMPDIR:-/tmp}/gpu-session-demo"
+    step kernel-cost "$3" "$python" benchmarks/kernel_cost.py --device "$device" --repeats "$repeats"
+    step demo "$4" "$python" -m mixprec demo --device "$device" --steps "$steps" --out "${TMPDIR:-/tmp}/gpu-session-demo"
+}
+
+case "$part" in
+tests) tests 480 junit ;;
+bench) bench 360 90 45 45 ;;
+all)
+    tests 170
+    bench 250 75 30 30
     ;;
 *)
-    echo "usage: bash tools/gpu_session.sh tests|bench" >&2
+    echo "usage: bash tools/gpu_session.sh tests|bench|all" >&2
     exit 2
     ;;
 esac
