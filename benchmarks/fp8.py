@@ -260,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=10, help="interleaved repetitions per case (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps per contender (default 3)")
     parser.add_argument("--sample-ms", type=float, default=50.0, help="target time of one sample, ms (default 50)")
-    cases = [f"mlp-{name}" for name in MLP_SHAPES] + ["llama"]
-    parser.add_argument("--cases", nargs="+", choices=cases, default=cases, help="cases to run (default: all)")
+    cases = [f"mlp-{name}" for name in MLP_SHAPES] + ["llama", "loss"]
+    parser.add_argument("--cases", nargs="+", choices=cases, default=cases,
+                        help="cases to run (default: all; 'loss' is the Llama loss comparison)")  # fmt: skip
     parser.add_argument("--loss-steps", type=int, help="steps of the loss comparison (default 200 on a GPU, 20 on CPU; "
                         "0 skips it)")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
@@ -283,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"command": " ".join(sys.argv), "machine": info, "cases": rows, "loss": losses}, f, indent=1)
 
-    for name in args.cases:
+    for name in (name for name in args.cases if name != "loss"):
         built = llama_case()[0:1] if name == "llama" else mlp_cases(name.removeprefix("mlp-"))
         for case in built:
             run(case, args.repeats, args.warmup, args.sample_ms)
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['paired_speedup']:8.2f}x  {goal}")  # fmt: skip
     for row in rows:
         print(f"{row['case']}: {row['description']}; {row['inner']} steps per sample")
-    if loss_steps and "llama" in args.cases:
+    if loss_steps and "loss" in args.cases:
         losses = loss_comparison(loss_steps)
         verdict = (f"goal <= {LOSS_GOAL:.0%} {'met' if losses['relative'] <= LOSS_GOAL else 'MISSED'}"
                    if common._gpu() else "goal not measured (CPU)")  # fmt: skip

@@ -57,12 +57,12 @@ tests() {  # tests LIMIT [JUNIT]
 bench() {  # bench FP8_LIMIT OVERHEAD_LIMIT KERNEL_COST_LIMIT DEMO_LIMIT
     local fp8 overhead repeats steps
     if [ "$quick" = 1 ]; then
-        fp8=(--cases mlp-gpt2-small llama --repeats 3 --warmup 1 --loss-steps 2)
+        fp8=(--cases mlp-gpt2-small llama loss --repeats 3 --warmup 1 --loss-steps 2)
         overhead=(--cases gpt2 --repeats 3)
         repeats=2
         steps=5
     else
-        fp8=(--cases mlp-llama3-8b llama mlp-gpt2-small --repeats 5 --loss-steps 200)
+        fp8=(--cases mlp-llama3-8b llama mlp-gpt2-small loss --repeats 5 --loss-steps 200)
         overhead=(--cases gpt2 gpt2_kernels --repeats 20)
         repeats=7
         steps=150
