@@ -80,6 +80,10 @@ LAST_BITS_NONDETERMINISTIC = {"linalg.lstsq", "linalg.lstsq.grad_oriented"}
 #: The OpInfos that return uninitialised memory, for a torch whose OpInfo has no ``has_nondeterministic_output``
 #: (2.10 to 2.12; 2.13 added it and flags exactly these among the float32 CPU ops).
 UNINITIALISED = {"empty", "empty_like", "empty_permuted", "empty_strided", "new_empty", "new_empty_strided"}
+#: CUDA attention kernels whose philox seed and offset outputs (0-dim integer tensors) are ``at::empty`` when
+#: dropout_p is 0: uninitialised memory, compared by dtype and shape (seen on an H200: one sample's offset
+#: differed between native and mixprec, which run the same kernel, while native's two runs agreed).
+RNG_STATE_OUTPUTS = {"torch.ops.aten._efficient_attention_forward", "torch.ops.aten._flash_attention_forward"}
 
 
 # ---------------------------------------------------------------- running
@@ -306,6 +310,8 @@ def _check(
     again = [_run(call, torch.autocast(device, dtype=autocast_dtype)) for _, call, _ in cases] if calibrate else natives
     with _every_native_op_as_mixprec_kernel(device):
         ours = [_run(call, mixprec.autocast(device, dtype=autocast_dtype, compute="native")) for _, call, _ in cases]
+    if key in RNG_STATE_OUTPUTS:
+        natives, again, ours = ([_rng_state_as_meta(o) for o in runs] for runs in (natives, again, ours))
     unexplained = []
     for (label, _, _), native, second, mine in zip(cases, natives, again, ours, strict=True):
         level = values
@@ -316,6 +322,19 @@ def _check(
             unexplained.append(f"{label}: {found}")
     if unexplained:
         pytest.fail(f"mixprec differs from native autocast on {key}:\n  " + "\n  ".join(unexplained))
+
+
+def _rng_state_as_meta(outcome: Outcome) -> Outcome:
+    """The outcome with its 0-dim integer tensors (an attention kernel's philox seed and offset) on the meta
+    device: compared by dtype and shape only (``_tensor_difference``)."""
+    if outcome[0] != "ok":
+        return outcome
+    return "ok", [
+        leaf.to("meta")
+        if isinstance(leaf, torch.Tensor) and leaf.dim() == 0 and not leaf.is_floating_point()
+        else leaf
+        for leaf in outcome[1]
+    ]
 
 
 def _key(opinfo: Any) -> str:
