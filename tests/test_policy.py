@@ -103,13 +103,22 @@ def test_each_category_is_atens_action_and_target():
         "promote": ("promote", None),
         "banned": ("ban", None),
         "fp8": ("scaled_mm", "float8_e4m3fn"),
+        "fp16": ("cast", "float16"),  # (torch's cuDNN RNN kernel: float16 in a bfloat16 region too)
     }
     assert set(TREATMENTS) == set(mixprec.policies.Category)
-    assert {c.value for c in ATEN_CATEGORIES} == set(found) - {"fp8"}
+    assert {c.value for c in ATEN_CATEGORIES} == set(found) - {"fp8", "fp16"}
+
+
+def test_cudnn_rnn_runs_in_float16_whatever_the_region_dtype_as_torchs_kernel():
+    """torch's AutocastRNN.cpp casts cuDNN's RNN to float16 in a bfloat16 region too (an nn.LSTM on an H200
+    under bfloat16 autocast returns float16): the CUDA policies say so (the kernels on a GPU: tests/cuda's
+    nn_LSTM, nn_GRU and nn_RNN against native; a build without cuDNN registers no such op)."""
+    for policy in (mixprec.policies.CUDA, mixprec.policies.FP8):
+        assert policy.category("_cudnn_rnn") == "fp16" and policy.target("_cudnn_rnn") == "float16"
 
 
 @pytest.mark.parametrize("region", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("category", ["lower_precision_fp", "fp32"])
+@pytest.mark.parametrize("category", ["lower_precision_fp", "fp32", "fp16"])
 def test_an_op_runs_in_its_targets_dtype_in_eager_explain_and_the_policy(region, category):
     policy = mixprec.policies.CPU.with_ops(**{category: ["mm"]})
     target = mixprec.policies.Category(category).target_format

@@ -3,7 +3,8 @@
 A category is two pieces of data (``TREATMENTS``): the action its rule takes on
 a call's arguments (``Action``, carried out by ``engine._plan``) and the target
 format it runs in (``_format.FORMATS``). ATen's six cast policies are the
-categories of torch's autocast; ``fp8`` is mixprec's own (``Action.SCALED_MM``
+categories of torch's autocast, with ``fp16`` (float16 whatever the region's dtype: what torch's
+cuDNN RNN kernel does, so a policy can say it); ``fp8`` is mixprec's own (``Action.SCALED_MM``
 aimed at ``float8_e4m3fn``: the GEMMs of ``linear``, ``mm``, ``addmm`` and
 ``matmul`` in fp8 with an ``Fp8Recipe``'s scales, the output in the region's
 dtype). ``lower_precision_fp`` and ``fp32`` are
@@ -18,7 +19,7 @@ import dataclasses
 import enum
 
 from mixprec import _errors
-from mixprec.policies._format import E4M3, FLOAT32, REGION, Format, format_of
+from mixprec.policies._format import E4M3, FLOAT16, FLOAT32, REGION, Format, format_of
 
 
 class Category(str, enum.Enum):
@@ -31,6 +32,7 @@ class Category(str, enum.Enum):
     PROMOTE = "promote"  # cast all inputs to the widest input dtype
     BANNED = "banned"  # raise, naming the safe alternative
     FP8 = "fp8"  # mixprec's own: the GEMMs in fp8 with scales, the output in the autocast dtype
+    FP16 = "fp16"  # cast inputs to float16 whatever the autocast dtype: torch's cuDNN RNN kernel (AutocastRNN.cpp)
 
     def __str__(self) -> str:
         return self.value
@@ -108,10 +110,12 @@ TREATMENTS: dict[Category, Treatment] = {
     Category.PROMOTE: Treatment(Action.PROMOTE, None),
     Category.BANNED: Treatment(Action.BAN, None),
     Category.FP8: Treatment(Action.SCALED_MM, E4M3),
+    Category.FP16: Treatment(Action.CAST, FLOAT16),
 }
 
-#: The categories of ATen's autocast (``autocast_mode.h``); the others are mixprec's own.
-ATEN_CATEGORIES = tuple(c for c in Category if c is not Category.FP8)
+#: The categories of ATen's autocast (``autocast_mode.h``'s cast policies); ``fp8`` is mixprec's own, and
+#: ``fp16`` the rule of one hand-written CUDA kernel (cuDNN's RNN casts to float16 in a bfloat16 region too).
+ATEN_CATEGORIES = tuple(c for c in Category if c not in (Category.FP8, Category.FP16))
 
 
 def _unknown_category(value: object) -> Exception:

@@ -2,7 +2,8 @@
 
 A format says which dtype a category's casts aim at: the region's
 lower-precision dtype (``"region"``: bfloat16 or float16, whichever the region
-was entered with), ``"float32"``, and the two fp8 formats that an fp8 recipe
+was entered with), ``"float32"``, ``"float16"`` (whatever the region's dtype: torch's
+cuDNN RNN kernel), and the two fp8 formats that an fp8 recipe
 quantises to (``"float8_e4m3fn"`` for inputs and weights, ``"float8_e5m2"``
 for gradients, by default: ``_recipe.Fp8Recipe``). A new format is one entry
 in ``FORMATS``; a category that runs in it names it as its target (see
@@ -40,6 +41,7 @@ class Format:
 
 REGION = "region"
 FLOAT32 = "float32"
+FLOAT16 = "float16"
 E4M3 = "float8_e4m3fn"
 E5M2 = "float8_e5m2"
 #: The formats an fp8 recipe may quantise to.
@@ -51,6 +53,10 @@ FORMATS: dict[str, Format] = {
     for f in (
         Format(REGION, None, cached=True),
         Format(FLOAT32, torch.float32, cached=False),
+        # (torch's one float16-whatever-the-region kernel, cuDNN's RNN, flattens its weights afresh each call and
+        # caches a cast only where float16 is the region's dtype: uncached is the same values, never another
+        # dtype's cast)
+        Format(FLOAT16, torch.float16, cached=False),
         Format(E4M3, torch.float8_e4m3fn, cached=False),  # (fp8 keeps its own weight casts: engine._fp8)
         Format(E5M2, torch.float8_e5m2, cached=False),
     )

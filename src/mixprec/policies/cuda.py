@@ -2,7 +2,7 @@
 
 ``TABLE`` is torch 2.13's: the lists of ATen's ``autocast_mode.h`` (shared by
 CUDA and XPU in torch) plus the CUDA-only registrations (cuDNN convolutions,
-cuDNN's RNN, the binary_cross_entropy ban). ``RELEASES`` says how each other
+cuDNN's RNN in float16 whatever the region's dtype, the binary_cross_entropy ban). ``RELEASES`` says how each other
 supported release differs from it.
 """
 
@@ -14,8 +14,12 @@ LOWER_PRECISION_FP = (
     "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell",
     "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention",
     "scaled_dot_product_attention",
-    "_cudnn_rnn",  # registered by builds with cuDNN only (aten/src/ATen/cudnn/AutocastRNN.cpp)
 )
+
+#: cuDNN's RNN (LSTM, GRU, RNN) runs in float16 whatever the region's dtype: torch's kernel casts its input,
+#: states and weights to float16 (aten/src/ATen/cudnn/AutocastRNN.cpp; seen on an H200 with torch 2.11: an
+#: nn.LSTM under bfloat16 autocast returns float16). Registered by builds with cuDNN only.
+FP16 = ("_cudnn_rnn",)
 
 FP32 = (
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
@@ -52,6 +56,7 @@ TABLE = {
     "fp32_append_dtype": FP32_APPEND_DTYPE,
     "promote": PROMOTE,
     "banned": BANNED,
+    "fp16": FP16,
 }
 
 #: How each supported release's native CUDA autocast differs from 2.13's ``TABLE``: ops it adds, by
