@@ -294,9 +294,10 @@ def main(argv: list[str] | None = None) -> int:
             save()
             torch._dynamo.reset()
             mixprec.engine.reset()
-    header = f"{'case':26} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8 speed-up':>13} {'(paired)':>9}  goal"
-    print(header)
-    print("-" * len(header))
+    header = "" if not rows else f"{'case':26} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8 speed-up':>13} {'(paired)':>9}  goal"
+    if rows:
+        print(header)
+        print("-" * len(header))
     for row in rows:
         med = row["median_ms"]
         goal = "-" if row["goal"] is None and common._gpu() else (
