@@ -90,10 +90,15 @@ bench() {  # bench FP8_LIMIT OVERHEAD_LIMIT KERNEL_COST_LIMIT DEMO_LIMIT [FP8 CA
 }
 
 case "$part" in
-tests) tests 480 junit ;;
-bench) bench 360 90 45 45 ;;
-all)  # (measured 2026-11-27: tests 89 s; five fp8 cases within 250 s; the loss comparison 160 s
-      # alone, left to `bench`; kernel_cost 18 s; the demo 20 s)
+tests)
+    tests 480 junit
+    ;;
+bench)
+    bench 360 90 45 45
+    ;;
+all)
+    # (measured 2026-11-27: tests 89 s; five fp8 cases within 250 s; the loss comparison 160 s alone, left to
+    # `bench`; kernel_cost 18 s; the demo 20 s)
     tests 130
     bench 240 80 45 35 mlp-llama3-8b llama
     ;;
