@@ -58,6 +58,46 @@ def test_dtypes_and_casts_match_native():
     assert [r.casts for r in rec.records] == [3, 2, 0, 0]  # input, weight, bias; then weight, bias
 
 
+class _SharedWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        F = nn.functional
+        return F.linear(x, self.weight), torch.mm(x, self.weight), F.linear(x, self.weight)
+
+
+def test_a_weight_is_recorded_in_the_dtype_each_op_received_it():
+    """The last linear gets the cached bfloat16 cast of the weight, not the float16 one the fp16-category mm made
+    in between (only casts to the region's dtype are kept: the recorder once took any cast for the kept one)."""
+    model, x = _SharedWeight(), torch.randn(8, 8)
+    policy = mixprec.policies.CPU.with_ops(fp16=["mm"])
+    with Recorder(model) as rec, mixprec.autocast("cpu", dtype=torch.bfloat16, policy=policy, compute="native"):
+        model(x)
+    assert [(r.op, r.input_dtypes, r.output_dtypes) for r in rec.records] == [
+        ("torch.nn.functional.linear", ["bfloat16", "bfloat16"], ["bfloat16"]),
+        ("torch.mm", ["float16", "float16"], ["float16"]),  # (torch's own name for it is torch.spmm)
+        ("torch.nn.functional.linear", ["bfloat16", "bfloat16"], ["bfloat16"]),
+    ]
+
+
+def test_over_and_underflow_are_measured_in_the_dtype_the_op_returned():
+    """An fp16-category op in a bfloat16 run returns float16, whose range is the narrow one: measured there."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64)
+    with torch.no_grad():
+        layer.weight.mul_(1e-4)
+        layer.bias.zero_()
+    x = torch.randn(4, 64) * 1e-3
+    policy = mixprec.policies.CPU.with_ops(fp16=["linear"])
+    row = diagnose((layer, (x,), None), "cpu", torch.bfloat16, policy).rows[0]
+    reference = layer(x).detach()
+    flushed = float(((reference != 0) & (reference.half() == 0)).float().mean())
+    assert row.output_dtypes == ["float16"] and flushed > 0.1
+    assert (row.underflow_fraction, row.overflow_fraction) == (flushed, 0.0)
+
+
 def test_cast_counter_matches_native_to_copy():
     model, x = _model(), torch.randn(2, 4)
     with CastCounter() as ours, mixprec.autocast("cpu", dtype=torch.float16, compute="native"):

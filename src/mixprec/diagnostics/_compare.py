@@ -168,13 +168,15 @@ def compare(reference: Run, amp: Run, low: torch.dtype) -> list[OpReport]:
         )
     by_key = {r.key: r.output for r in reference.records}
     float32_made = {r.key for r in reference.records if r.produced_nonfinite}  # (not autocast's doing there)
-    low_name = str(low).removeprefix("torch.")
+    narrow = {str(d).removeprefix("torch."): d for d in _devices.LOW_PRECISION}
     rows = []
     for rec in amp.records:
         ref = by_key.get(rec.key)
         got = rec.output if rec.output is not None else torch.empty(0)
         abs_err, rel_err = _error_of(got, ref)
-        over, under = _lost(ref, low) if rec.output_dtypes[:1] == [low_name] else (None, None)
+        # (measured in the dtype the op returned: the run's, or float16 from an fp16-category op in a bf16 run)
+        held = narrow.get(rec.output_dtypes[0]) if rec.output_dtypes else None
+        over, under = _lost(ref, held) if held is not None else (None, None)
         row = OpReport(
             rec.index, "forward", rec.op, rec.module, rec.source, rec.input_dtypes, rec.output_dtypes,
             rec.casts, abs_err, rel_err, over, under, rec.nonfinite_inputs, rec.nonfinite_outputs,

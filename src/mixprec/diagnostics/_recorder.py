@@ -175,6 +175,9 @@ def op_name(func: Any) -> str:
         name = resolve_name(func)
     except Exception:
         name = None
+    short = getattr(func, "__name__", None)
+    if name and short and name.rsplit(".", 1)[-1] != short and getattr(torch, short, None) is func:
+        name = f"torch.{short}"  # (torch names torch.mm "torch.spmm", an alias it maps to the same entry)
     return name or getattr(func, "__qualname__", None) or repr(func)
 
 
@@ -326,7 +329,9 @@ class Recorder(_Tap):
         """The dtype the op received ``t`` in: its cast in this call, or a cached weight's earlier cast."""
         cast = self.below.casts_of.get(id(t))
         if cast is not None:
-            if t.is_leaf and t.requires_grad:
+            # (the cache keeps a weight's casts to the region's dtype only: a float32, float16-category or fp8 one
+            # is made afresh at each use, and never stands for the cached one)
+            if t.is_leaf and t.requires_grad and cast == torch.get_autocast_dtype(t.device.type):
                 self._weights[id(t)] = cast
             return str(cast).removeprefix("torch.")
         weight = t.is_leaf and t.requires_grad and torch.is_autocast_enabled(t.device.type)
