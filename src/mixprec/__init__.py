@@ -13,10 +13,11 @@ _compat.require_supported()
 
 from mixprec import cpu, cuda, policies, xpu
 from mixprec._autocast import autocast, get_autocast_dtype, get_policy, is_autocast_enabled
+from mixprec._call_sites import CallSite, CallSites
 from mixprec._custom import custom_bwd, custom_fwd
 from mixprec._errors import AutocastDisabledWarning, MixprecWarning
 from mixprec._explain import Explanation, explain
-from mixprec._fp8_layers import CallSite, CallSites, Fp8Layers, LayerChoice, choose_fp8_layers
+from mixprec._fp8_layers import Fp8Layers, LayerChoice, choose_fp8_layers
 from mixprec._install import InstallHandle, install
 from mixprec._module import AutocastModule, ModulePolicyHandle, set_module_policy
 from mixprec.engine._amax import AmaxHistory

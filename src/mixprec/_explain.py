@@ -29,7 +29,7 @@ from typing import Any, overload
 import torch
 import torch.utils._pytree
 
-from mixprec import _autocast, _errors, _explain_run, _fp8_layers
+from mixprec import _autocast, _call_sites, _errors, _explain_run
 from mixprec.engine import _devices, _kernels, _plan, _tables
 from mixprec.policies import Category, Policy, _names, _serial
 from mixprec.policies._category import Action
@@ -102,7 +102,7 @@ def explain(  # type: ignore[overload-overlap]
     input_dtypes: tuple[torch.dtype, ...] | None = ...,
     example: tuple[Any, ...] | None = ...,
     example_kwargs: dict[str, Any] | None = ...,
-) -> _fp8_layers.CallSites: ...
+) -> _call_sites.CallSites: ...
 
 
 @overload
@@ -127,7 +127,7 @@ def explain(
     input_dtypes: tuple[torch.dtype, ...] | None = None,
     example: tuple[Any, ...] | None = None,
     example_kwargs: dict[str, Any] | None = None,
-) -> Explanation | _fp8_layers.CallSites:
+) -> Explanation | _call_sites.CallSites:
     """Explain what autocast does with ``op``: its category, the dtype it runs in, and why.
 
     Given a model (an ``nn.Module``) and ``example``, it runs the model once without gradients under
@@ -171,7 +171,7 @@ def explain(
                 _errors.message("explain: a model needs example=", "explain runs the model once to find its calls",
                                 received={"example": None}, expected="a tuple of the model's positional inputs")
             )  # fmt: skip
-        return _fp8_layers.call_sites(op, example, example_kwargs or {}, device_type, policy, dtype)
+        return _call_sites.call_sites(op, example, example_kwargs or {}, device_type, policy, dtype)
     asked = _names.dispatched(op)
     name = _names.op_name(asked, policy.table)
     args, kwargs = example or (), example_kwargs or {}
