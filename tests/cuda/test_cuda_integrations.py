@@ -63,6 +63,34 @@ def test_install_reaches_a_plain_torch_autocast_and_remove_restores_it(device):
     assert after.dtype is F16 and torch.equal(before, after)
 
 
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+def test_a_recurrent_layer_under_mixprecs_kernels_equals_native_in_bfloat16(device, kind, deterministic):
+    """torch's cuDNN RNN kernel runs in float16 whatever the region's dtype (AutocastRNN.cpp); mixprec's kernel,
+    which serves every op under a module policy, must too: the output's dtype and bits, and every gradient."""
+    torch.manual_seed(0)
+    layer = getattr(torch.nn, kind)(16, 32, num_layers=2).to(device)
+    x = torch.randn(5, 3, 16, device=device, requires_grad=True)
+
+    def run(region):
+        layer.zero_grad()
+        x.grad = None
+        with region:
+            out, _ = layer(x)
+        out.float().sum().backward()
+        return [out, x.grad, *(p.grad for p in layer.parameters())]
+
+    native = run(torch.autocast(device, dtype=BF16))
+    handle = mixprec.set_module_policy(layer, _default(device))
+    try:
+        ours = run(_region(device, dtype=BF16))
+    finally:
+        handle.remove()
+    if device == "cuda":
+        assert native[0].dtype is F16  # (what torch does: the reason for the CUDA policy's fp16 category)
+    assert [t.dtype for t in ours] == [t.dtype for t in native]
+    assert all(torch.equal(a, b) for a, b in zip(ours, native, strict=True))
+
+
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_checkpointing_under_a_custom_policy_gives_the_gradients_without_it(device, reentrant, deterministic):
     def grads(use_checkpoint: bool) -> list[torch.Tensor]:
