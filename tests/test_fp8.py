@@ -945,6 +945,30 @@ def test_the_doctor_reports_each_fp8_call_sites_amax_saturation_flushing_and_err
     assert all(r.fp8_format is None and r.fp8_error is None for r in plain.rows)
 
 
+def test_the_doctor_reports_every_gemm_of_a_multi_head_attention():
+    """F.multi_head_attention_forward runs its in- and out-projections inside one torch call, which the recorder
+    sees as one op: its row holds the worst of its fp8 GEMMs (it kept the last one's alone, the out-projection's),
+    forward and backward."""
+    from mixprec import diagnostics
+
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(64, 4)
+    x = torch.randn(16, 2, 64)
+    x[0, 0, 0] = 300.0  # the query's outlier: only the in-projection sees it (the out-projection reads softmax mixes)
+
+    def loss_fn(out):
+        return out[0].float().pow(2).mean()
+
+    report = diagnostics.diagnose((attention, (x, x, x), loss_fn), "cpu", torch.bfloat16, FP8)
+    rows = [r for r in report.rows if r.fp8_format is not None]
+    assert len(rows) == 1 and rows[0].module == ""
+    row = rows[0]
+    assert row.fp8_amax == 300.0  # the in-projection's input
+    weights = (attention.in_proj_weight, attention.out_proj.weight)
+    assert row.fp8_amax_weight == max(float(w.abs().max()) for w in weights)
+    assert row.fp8_grad_format == "float8_e5m2" and row.fp8_grad_amax is not None
+
+
 def test_the_doctor_shows_saturation_under_delayed_scaling(tmp_path):
     """A delayed scale from a step of small inputs saturates a step of large ones: the doctor counts them."""
     from mixprec import diagnostics

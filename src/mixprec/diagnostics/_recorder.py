@@ -122,12 +122,30 @@ def fp8_stats(call: _fp8.Fp8Call) -> Fp8Stats:
     )  # fmt: skip
 
 
-def with_gradient(stats: Fp8Stats, grad: _fp8.Fp8Grad) -> Fp8Stats:
-    """``stats`` with what its call's backward did to the incoming gradient."""
+def with_gradient(stats: Fp8Stats, grad: _fp8.Fp8Grad, merge: bool = False) -> Fp8Stats:
+    """``stats`` with what its call's backward did to the incoming gradient; ``merge``: the worst of that and
+    what ``stats`` holds from another GEMM's backward of the same op (``merged``)."""
     saturated, flushed = _lost_to_fp8([(grad.grad, grad.gq, grad.g_inverse_scale)])
+    amax = float(grad.grad.abs().max())
+    if merge and stats.grad_amax is not None and stats.grad_saturated is not None and stats.grad_flushed is not None:
+        amax, saturated = max(amax, stats.grad_amax), max(saturated, stats.grad_saturated)
+        flushed = max(flushed, stats.grad_flushed)
     return dataclasses.replace(
-        stats, grad_format=str(grad.gq.dtype).removeprefix("torch."), grad_amax=float(grad.grad.abs().max()),
+        stats, grad_format=str(grad.gq.dtype).removeprefix("torch."), grad_amax=amax,
         grad_saturated=saturated, grad_flushed=flushed,
+    )  # fmt: skip
+
+
+def merged(stats: list[Fp8Stats]) -> Fp8Stats:
+    """One op's fp8 GEMMs as one row (``F.multi_head_attention_forward`` runs its projections inside): the
+    largest magnitudes, and the worst fractions and error of any of them."""
+    if len(stats) == 1:
+        return stats[0]
+    errors = [s.sampled_error for s in stats if s.sampled_error is not None]
+    return Fp8Stats(
+        "/".join(dict.fromkeys(s.format for s in stats)), max(s.amax_input for s in stats),
+        max(s.amax_weight for s in stats), max(s.saturated for s in stats), max(s.flushed for s in stats),
+        max(errors) if errors else None,
     )  # fmt: skip
 
 
@@ -263,6 +281,7 @@ class Recorder(_Tap):
         self._weights: dict[int, torch.dtype] = {}  # cached weight casts, as the cache reuses them
         self._fp8: list[tuple[object, Fp8Stats]] = []  # the fp8 GEMMs of the torch call being recorded
         self._by_token: dict[object, OpRecord] = {}  # an fp8 call's record, for its backward
+        self._gemms: dict[int, int] = {}  # the fp8 GEMMs of a record that ran more than one, by id(record)
 
     def __enter__(self) -> Recorder:
         for name, module in self._model.named_modules():
@@ -278,7 +297,7 @@ class Recorder(_Tap):
             return
         record = self._by_token.get(seen.token)
         if record is not None and record.fp8 is not None:
-            record.fp8 = with_gradient(record.fp8, seen)
+            record.fp8 = with_gradient(record.fp8, seen, merge=self._gemms.get(id(record), 1) > 1)
 
     @contextlib.contextmanager
     def gradients(self) -> Iterator[None]:
@@ -361,11 +380,13 @@ class Recorder(_Tap):
                 nonfinite_outputs=nonfinite(outputs),
                 key=(module, name, occurrence),
                 output=kept,
-                fp8=self._fp8[-1][1] if self._fp8 else None,
+                fp8=merged([stats for _, stats in self._fp8]) if self._fp8 else None,
             )
         )
-        if self._fp8:
-            self._by_token[self._fp8[-1][0]] = self.records[-1]
+        for token, _ in self._fp8:  # (every GEMM's backward adds to the op's row)
+            self._by_token[token] = self.records[-1]
+        if len(self._fp8) > 1:
+            self._gemms[id(self.records[-1])] = len(self._fp8)
         self._fp8.clear()
 
 
