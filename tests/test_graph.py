@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
 import mixprec
+from _counting import CountCasts
 from mixprec import engine
 from mixprec.graph import apply_policy, cast_nodes
 from mixprec.graph._casts import cast_source
@@ -156,9 +159,14 @@ def test_no_cast_chains(rewritten):
     assert all(cast_source(cast_source(n)) is None for n in casts)
 
 
-def test_one_cast_per_tensor_and_dtype(rewritten):
-    keys = [(cast_source(n), n.kwargs["dtype"]) for n in rewritten.graph.nodes if cast_source(n) is not None]
-    assert len(keys) == len(set(keys))
+def test_a_weight_is_cast_once_and_any_other_tensor_at_each_use_as_eager_casts(rewritten):
+    # Eager autocast keeps a weight's cast for reuse and casts anything else afresh at each use: x feeds four
+    # linears, l2's weights two and l3's three (h, the layer norm's output, is bf16 already).
+    sources = Counter(str(cast_source(n).target) for n in rewritten.graph.nodes if cast_source(n) is not None)
+    assert sources == {"x": 4, **{f"{layer}.{p}": 1 for layer in ("l1", "l2", "l3") for p in ("weight", "bias")}}
+    with CountCasts() as eager, mixprec.autocast("cpu"):
+        NET(X)
+    assert cast_nodes(rewritten) == eager.casts
 
 
 class _RoundTrip(torch.nn.Module):
@@ -548,3 +556,72 @@ def test_a_higher_order_op_the_rewrite_cannot_express_is_refused(kind, error, ma
             _native(model, x)
     with pytest.raises(error, match=rf"apply_policy cannot rewrite {match}.*test_graph.py"):
         apply_policy(gm, mixprec.policies.CPU, BF16)
+
+
+class _TwoUses(torch.nn.Module):
+    """A float32 tensor that two mm's use: an activation, or a weight."""
+
+    def __init__(self, used):
+        super().__init__()
+        self.used = used
+        self.w, self.v = torch.nn.Parameter(torch.randn(32, 32)), torch.nn.Parameter(torch.randn(32, 32))
+
+    def forward(self, x):
+        if self.used == "activation":
+            h = x.sin()
+            return torch.mm(h, self.w), torch.mm(h, self.v)
+        return torch.mm(x.sin(), self.w), torch.mm(x.cos(), self.w)
+
+
+#: mm in the 'fp16' category: cast to float16, whose format keeps no weight's cast (torch's cuDNN RNN's rule).
+FP16_MM = mixprec.policies.CPU.with_ops(fp16=["mm"])
+TWO_USES = [
+    ("activation", "lower_precision_fp"),  # eager casts h at each use
+    ("activation", "fp16"),
+    ("weight", "fp16"),  # eager casts w at each use: float16 keeps no weight's cast
+    ("weight", "lower_precision_fp"),  # eager casts w once: the region's dtype keeps a weight's cast
+]
+
+
+def _grads(model, x, run):
+    """The outputs of ``run(x)`` and the gradients of x and of the model's weights, for fixed output gradients."""
+    model.zero_grad()
+    x = x.clone().requires_grad_()
+    outputs = run(x)
+    gen = torch.Generator().manual_seed(1)
+    torch.autograd.backward(outputs, [torch.randn(o.shape, generator=gen).to(o.dtype) for o in outputs])
+    return [*outputs, x.grad, *(p.grad for p in model.parameters() if p.grad is not None)]
+
+
+@pytest.mark.parametrize("region", [BF16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("used", "category"), TWO_USES, ids=["-".join(c) for c in TWO_USES])
+def test_gradients_through_a_tensor_two_ops_use_are_eager_mixprecs(used, category, region):
+    # A cast two ops share sums their gradients in the cast's dtype, two casts in float32: the graph shares a
+    # cast exactly where eager autocast keeps one (a weight's, to a format that keeps it).
+    torch.manual_seed(0)
+    model, x = _TwoUses(used), torch.randn(32, 32)
+    policy = FP16_MM if category == "fp16" else mixprec.policies.CPU
+    low = apply_policy(torch.export.export(model, (x,)).module(), policy, region)
+
+    def eager(inputs):
+        with mixprec.autocast("cpu", dtype=region, policy=policy, compute="native"):
+            return model(inputs)
+
+    _assert_bitwise(_grads(model, x, low), _grads(model, x, eager))
+
+
+@pytest.mark.parametrize(("category", "casts"), [("lower_precision_fp", 1), ("fp16", 2)])
+def test_a_lifted_parameter_is_a_weight(category, casts):
+    # export's own graph takes the parameters as placeholders (recorded as leaves that require grad).
+    torch.manual_seed(0)
+    model, x = _TwoUses("weight"), torch.randn(32, 32)
+    policy = FP16_MM if category == "fp16" else mixprec.policies.CPU
+    lifted = torch.export.export(model, (x,)).graph_module
+    low = apply_policy(lifted, policy, BF16)
+    assert sum(1 for n in low.graph.nodes if cast_source(n) is not None and cast_source(n).name == "p_w") == casts
+
+    def eager(inputs):
+        with mixprec.autocast("cpu", policy=policy, compute="native"):
+            return model(inputs)
+
+    _assert_bitwise(_grads(model, x, lambda inputs: low(model.w, model.v, inputs)), _grads(model, x, eager))

@@ -5,7 +5,8 @@ Algorithm::
     new graph; for each node of gm, in order (gm itself is never touched):
         args = the new nodes of its inputs, each carrying a fake value (meta["val"])
         if node calls an ATen op the policy lists:
-            lower_precision_fp / fp32 -> args' eligible tensors via Casts.to(dtype or float32)
+            lower_precision_fp / fp32 -> args' eligible tensors via Casts.to(dtype or float32), a cast per use
+                                         but a weight's shared where the format keeps it (``_keeps_weights``)
             promote                   -> to the widest eligible input dtype (real dtypes, no guess)
             fp32_set_opt_dtype / fp32_append_dtype -> dtype=float32 (on the overload that takes it)
             banned                    -> RuntimeError naming the user's source line
@@ -162,8 +163,11 @@ class _Rewrite:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None
         return isinstance(val, torch.Tensor) and _plan.eligible(val.dtype, val.device.type, self.device_type)
 
-    def cast_all(self, tree: Any, dtype: torch.dtype) -> Any:
-        return pytree.tree_map_only(fx.Node, lambda n: self.casts.to(n, dtype) if self.eligible(n) else n, tree)
+    def cast_all(self, tree: Any, dtype: torch.dtype, cached: bool) -> Any:
+        """``tree``'s eligible nodes cast to ``dtype``; weights' casts shared if ``cached`` (``Casts.to``)."""
+        return pytree.tree_map_only(
+            fx.Node, lambda n: self.casts.to(n, dtype, cached) if self.eligible(n) else n, tree
+        )
 
     def call(self, node: fx.Node, inputs: tuple[tuple[Any, ...], dict[str, Any]], depth: int = 0) -> fx.Node:
         args, kwargs = inputs
@@ -292,7 +296,7 @@ class _Rewrite:
                 fields = _fp8.recipe_fields(self.policy.fp8_recipe)
                 return _fp8.scaled_call, (target, args, kwargs, device, plan.cast_to, fields), {}
         if plan.cast_to is not None:
-            return target, *self.cast_all((args, kwargs), plan.cast_to)
+            return target, *self.cast_all((args, kwargs), plan.cast_to, _keeps_weights(category, plan))
         if plan.dtype_arg is not None:
             return _rules.with_dtype_arg(target, args, kwargs, plan)
         return target, args, kwargs
@@ -316,6 +320,14 @@ def _assert_dtype(args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dt
 _DEPTH = 3
 
 
+def _keeps_weights(category: Category, plan: _plan.CastPlan) -> bool:
+    """Whether a call's weights' casts are kept for reuse, as the eager kernels keep them (``engine._rules``,
+    its ``cached``): where its category casts to a format that keeps them (``Format.cached``: the region's
+    dtype), or it is an fp8 call cast to the region's dtype; never for a promote."""
+    target = category.target_format
+    return plan.scaled is not None or (target is not None and target.cached)
+
+
 def _is_tensor(value: Any) -> bool:
     return isinstance(value, fx.Node) and isinstance(value.meta.get("val"), torch.Tensor)
 
@@ -323,18 +335,21 @@ def _is_tensor(value: Any) -> bool:
 def _fake_call(fake_mode: Any, target: Callable[..., Any], args: Any, kwargs: Any, node: fx.Node) -> Any:
     vals = pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (args, kwargs))
     try:
-        with fake_mode:
+        with fake_mode, torch.no_grad():  # (no value computed requires grad: ``_casts.is_weight``)
             return target(*vals[0], **vals[1])
     except Exception:  # a higher-order op or a node fake tensors cannot run: keep what the trace recorded
         return node.meta.get("val")
 
 
 def _refake(fake_mode: Any, val: Any) -> Any:
-    """``val`` as a fake tensor of ``fake_mode`` (export records parameters and inputs in different modes)."""
+    """``val`` as a fake tensor of ``fake_mode`` (export records parameters and inputs in different modes),
+    requiring grad where ``val`` does (a parameter: ``_casts.is_weight``)."""
     if not isinstance(val, torch.Tensor):
         return val
     with fake_mode:
-        return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+        return torch.empty_strided(
+            val.shape, val.stride(), dtype=val.dtype, device=val.device, requires_grad=val.requires_grad
+        )
 
 
 def _fake_mode(gm: fx.GraphModule) -> Any:

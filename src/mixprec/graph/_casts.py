@@ -1,17 +1,28 @@
 """Cast nodes: recognising them, and inserting them with no chains and no round trips.
 
-Algorithm for ``Casts.to(node, dtype)``::
+Algorithm for ``Casts.to(node, dtype, cached)``::
 
     while node is a lossless widening cast of src (bf16->f32, f16->f32, ...)
           and nothing wrote to src or node since node was made:
         node = src                            # a cast of a widened copy equals a cast of its source
     if node's dtype is dtype: return node     # also removes cast / cast-back pairs
+    if not (cached and is_weight(node)):      # eager autocast's rule: it casts afresh at each use
+        return new _to_copy(node, dtype=dtype)
     if cache holds (node, dtype) and nothing wrote to node or to that cast since the cast was made:
         return it
     return cache[(node, dtype)] = new _to_copy(node, dtype=dtype)
 
 A widened copy represents its source exactly, so casting the source instead
 gives the same bits; narrowing casts round, so they are never skipped.
+
+Sharing: eager autocast keeps a cast for reuse only for a weight (a float32
+leaf that requires grad, not a view) and only where the target format keeps
+weights' casts (``Format.cached``: the region's dtype, not float32, float16 or
+fp8); every other use casts afresh. Sharing is not free to choose: a cast used
+by two ops sums their gradients in the cast's dtype before its backward, where
+two casts sum them in the source's dtype. So ``to`` shares a cast exactly where
+eager would (``cached`` is the target's, ``is_weight`` eager's test on the
+node's value: a parameter, which ``_apply`` records as a leaf requiring grad).
 
 Writes: every node added to the graph is ``note``d in order. A node joins the
 storage of the arguments its op's schema annotates (a view, an in-place op's
@@ -58,13 +69,29 @@ def is_cast(node: fx.Node) -> bool:
     return cast_source(node) is not None
 
 
+def is_weight(node: fx.Node) -> bool:
+    """Whether ``node`` is a weight by eager autocast's test (``engine._cast.cast_tensor``), asked of its value:
+    a float32 leaf that requires grad, not a view. ``_apply`` computes every value under no_grad, so only the
+    graph's inputs may pass, where their trace recorded them so: its parameters (``get_attr`` nodes, or export's
+    lifted placeholders), and an input traced with ``requires_grad=True``."""
+    val = node.meta.get("val")
+    return (
+        isinstance(val, torch.Tensor)
+        and val.dtype is torch.float32
+        and val.requires_grad
+        and val.is_leaf
+        and not val._is_view()
+    )
+
+
 def dtype_of(node: Any) -> torch.dtype | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val.dtype if isinstance(val, torch.Tensor) else None
 
 
 class Casts:
-    """Inserts ``aten._to_copy`` casts into ``graph``, one per (tensor, dtype) between writes to the tensor."""
+    """Inserts ``aten._to_copy`` casts into ``graph``: one per use, but one per (weight, dtype) between writes
+    to the weight where the target format keeps weights' casts, as eager autocast casts."""
 
     def __init__(self, graph: fx.Graph, fake_mode: Any) -> None:
         self.graph = graph
@@ -98,8 +125,9 @@ class Casts:
         for other in written:
             self._written[self._root(other)] = self._tick
 
-    def to(self, node: fx.Node, dtype: torch.dtype) -> fx.Node:
-        """``node`` as ``dtype``: itself, an existing cast, or one new cast node."""
+    def to(self, node: fx.Node, dtype: torch.dtype, cached: bool) -> fx.Node:
+        """``node`` as ``dtype``: itself, an existing cast (a weight's, where ``cached``: the target format keeps
+        weights' casts), or one new cast node."""
         source = cast_source(node)
         while (
             source is not None
@@ -110,14 +138,20 @@ class Casts:
             node, source = source, cast_source(source)
         if dtype_of(node) is dtype:
             return node
+        if not (cached and is_weight(node)):
+            return self._cast(node, dtype)
         key = (node, dtype)
         hit = self.cache.get(key)
         if hit is None or not (self._unwritten(node, since=hit) and self._unwritten(hit, since=hit)):
-            hit = self.cache[key] = self.graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
-            with self.fake_mode:
-                hit.meta["val"] = node.meta["val"].to(dtype)
-            self.note(hit)
+            hit = self.cache[key] = self._cast(node, dtype)
         return hit
+
+    def _cast(self, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+        cast = self.graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+        with self.fake_mode, torch.no_grad():
+            cast.meta["val"] = node.meta["val"].to(dtype)
+        self.note(cast)
+        return cast
 
     def _unwritten(self, node: fx.Node, since: fx.Node) -> bool:
         """Whether nothing wrote to ``node``'s storage after ``since`` was noted."""
