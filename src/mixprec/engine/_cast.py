@@ -226,12 +226,17 @@ def to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if method is None else method(t)
 
 
+def is_weight(t: torch.Tensor) -> bool:
+    """Whether autocast keeps ``t``'s casts for reuse (torch's cache rule): a float32 leaf that requires grad and
+    is not a view. (``cast_call`` writes it out, the hot path; the graph pass asks it of a node's value.)"""
+    return t.dtype is _float32 and t.requires_grad and t.is_leaf and not t._is_view()
+
+
 def cast_tensor(t: torch.Tensor, dtype: torch.dtype, device_type: str, cache: Cache | None) -> torch.Tensor:
-    """Cast one tensor if eligible; weights (fp32 leaves requiring grad) go through the cache."""
-    source = t.dtype
-    if source is dtype or not is_eligible(t, device_type):
+    """Cast one tensor if eligible; weights (``is_weight``) go through the cache."""
+    if t.dtype is dtype or not is_eligible(t, device_type):
         return t
-    if cache is not None and source is _float32 and t.requires_grad and t.is_leaf and not t._is_view():
+    if cache is not None and is_weight(t):
         return cache.cast(t, dtype)
     method = _CAST.get(dtype)  # (``to``, written out: the path of most casts)
     return t.to(dtype) if method is None else method(t)
@@ -285,6 +290,7 @@ def cast_call(
                 and (a.is_cpu if cpu else a.device.type == device_type)
             ):
                 if cache is not None and source is _float32 and a.requires_grad and a.is_leaf and not a._is_view():
+                    # (``is_weight``, written out)
                     if cache is _UNSET:
                         cache = cache_for_call(torch_rules)
                     if cache is not None:  # a weight, and a cache to keep its cast in

@@ -211,5 +211,14 @@ _ACTIONS: dict[Action, Callable[[Format | None], _Decide]] = {
 #: Each category's rule: its action made for its target, once.
 _DECIDE: dict[Category, _Decide] = {c: _ACTIONS[c.action](c.target_format) for c in Category}
 
+def keeps_weights(category: Category) -> bool:
+    """Whether a category's casts keep a weight's cast for reuse (the cast cache; the graph pass shares one cast
+    node): where its target format keeps them (``Format.cached``: the region's dtype), and an fp8 op's, whose
+    calls that cannot run in fp8 cast to the region's dtype. Any other cast is made afresh at each use, as is
+    any cast of a tensor that is not a weight (``_cast.is_weight``)."""
+    target = category.target_format
+    return category.action is Action.SCALED_MM or (target is not None and target.cached)
+
+
 #: The categories that cast to the region's dtype: the ops emulated compute takes over (``lower_precision_fp``).
 REGION_CASTS = frozenset(c for c in Category if c.action is Action.CAST and c.target == REGION)

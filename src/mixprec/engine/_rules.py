@@ -46,7 +46,7 @@ def _first_eligible(device: str, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 def _casting(category: Category) -> Rule:
     """The rule of a ``cast`` category: the eligible tensors cast to its target (through the cast cache where
     the target format keeps weights' casts); emulated where the kernel says so."""
-    cached = category.target_format is not None and category.target_format.cached
+    cached = _plan.keeps_weights(category)
     decide = _plan.decider(category)
 
     def rule(op: Op, device: str, dtype: torch.dtype, emulate: bool, args: Any, kwargs: Any) -> Any:
@@ -198,7 +198,7 @@ def runner(op: Op, device_type: str, category: Category, rule: Rule, emulate: bo
     if category.action is not Action.CAST or emulate:
         return lambda args, kwargs: rule(op, device_type, get_dtype(device_type), emulate, args, kwargs)
     fixed = _plan.cast_dtype(category)
-    cached = category.target_format is not None and category.target_format.cached
+    cached = _plan.keeps_weights(category)
     call = _compat.raw_op(op)
     cast_call = _cast.cast_call
 

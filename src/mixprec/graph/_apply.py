@@ -6,7 +6,7 @@ Algorithm::
         args = the new nodes of its inputs, each carrying a fake value (meta["val"])
         if node calls an ATen op the policy lists:
             lower_precision_fp / fp32 -> args' eligible tensors via Casts.to(dtype or float32), a cast per use
-                                         but a weight's shared where the format keeps it (``_keeps_weights``)
+                                         but a weight's shared where the format keeps it (``_plan.keeps_weights``)
             promote                   -> to the widest eligible input dtype (real dtypes, no guess)
             fp32_set_opt_dtype / fp32_append_dtype -> dtype=float32 (on the overload that takes it)
             banned                    -> RuntimeError naming the user's source line
@@ -296,7 +296,7 @@ class _Rewrite:
                 fields = _fp8.recipe_fields(self.policy.fp8_recipe)
                 return _fp8.scaled_call, (target, args, kwargs, device, plan.cast_to, fields), {}
         if plan.cast_to is not None:
-            return target, *self.cast_all((args, kwargs), plan.cast_to, _keeps_weights(category, plan))
+            return target, *self.cast_all((args, kwargs), plan.cast_to, _plan.keeps_weights(category))
         if plan.dtype_arg is not None:
             return _rules.with_dtype_arg(target, args, kwargs, plan)
         return target, args, kwargs
@@ -318,14 +318,6 @@ def _assert_dtype(args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dt
 
 #: How many CompositeImplicitAutograd decompositions deep the pass follows an op with no category.
 _DEPTH = 3
-
-
-def _keeps_weights(category: Category, plan: _plan.CastPlan) -> bool:
-    """Whether a call's weights' casts are kept for reuse, as the eager kernels keep them (``engine._rules``,
-    its ``cached``): where its category casts to a format that keeps them (``Format.cached``: the region's
-    dtype), or it is an fp8 call cast to the region's dtype; never for a promote."""
-    target = category.target_format
-    return plan.scaled is not None or (target is not None and target.cached)
 
 
 def _is_tensor(value: Any) -> bool:

@@ -44,6 +44,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from mixprec.engine import _cast
+
 aten = torch.ops.aten
 
 _WIDER = {
@@ -70,18 +72,12 @@ def is_cast(node: fx.Node) -> bool:
 
 
 def is_weight(node: fx.Node) -> bool:
-    """Whether ``node`` is a weight by eager autocast's test (``engine._cast.cast_tensor``), asked of its value:
+    """Whether ``node`` is a weight by eager autocast's test (``engine._cast.is_weight``), asked of its value:
     a float32 leaf that requires grad, not a view. ``_apply`` computes every value under no_grad, so only the
     graph's inputs may pass, where their trace recorded them so: its parameters (``get_attr`` nodes, or export's
     lifted placeholders), and an input traced with ``requires_grad=True``."""
     val = node.meta.get("val")
-    return (
-        isinstance(val, torch.Tensor)
-        and val.dtype is torch.float32
-        and val.requires_grad
-        and val.is_leaf
-        and not val._is_view()
-    )
+    return isinstance(val, torch.Tensor) and _cast.is_weight(val)
 
 
 def dtype_of(node: Any) -> torch.dtype | None:
