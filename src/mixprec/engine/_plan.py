@@ -211,6 +211,7 @@ _ACTIONS: dict[Action, Callable[[Format | None], _Decide]] = {
 #: Each category's rule: its action made for its target, once.
 _DECIDE: dict[Category, _Decide] = {c: _ACTIONS[c.action](c.target_format) for c in Category}
 
+
 def keeps_weights(category: Category) -> bool:
     """Whether a category's casts keep a weight's cast for reuse (the cast cache; the graph pass shares one cast
     node): where its target format keeps them (``Format.cached``: the region's dtype), and an fp8 op's, whose
