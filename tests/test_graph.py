@@ -610,6 +610,43 @@ def test_gradients_through_a_tensor_two_ops_use_are_eager_mixprecs(used, categor
     _assert_bitwise(_grads(model, x, low), _grads(model, x, eager))
 
 
+class _Widened(torch.nn.Module):
+    """A float32 copy of a bf16 tensor, used once, by two mm's, by an mm and a float32 op, or twice by one mm."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.w, self.v = torch.nn.Parameter(torch.randn(32, 32)), torch.nn.Parameter(torch.randn(32, 32))
+
+    def forward(self, x):
+        h = x.sin().to(BF16).float()
+        if self.kind == "once":
+            return (torch.mm(h, self.w),)
+        if self.kind == "three_mms":
+            return torch.mm(h, self.w), torch.mm(h, self.v), torch.mm(h, self.w.t())
+        if self.kind == "mm_and_float32_op":
+            return torch.mm(h, self.w), h * 3
+        return (torch.mm(h, h),)
+
+
+@pytest.mark.parametrize("kind", ["once", "three_mms", "mm_and_float32_op", "one_mm_twice"])
+def test_gradients_through_a_widened_copy_are_eager_mixprecs(kind):
+    # A widened copy's cast is its source only where the copy has no other use: with others, eager sums their
+    # gradients in float32 and narrows the sum once (h.grad from h * 3 in float32, and from three bf16 mm's).
+    torch.manual_seed(0)
+    model, x = _Widened(kind), torch.randn(32, 32)
+    low = apply_policy(torch.export.export(model, (x,)).module(), mixprec.policies.CPU, BF16)
+
+    def eager(inputs):
+        with mixprec.autocast("cpu", compute="native"):
+            return model(inputs)
+
+    _assert_bitwise(_grads(model, x, low), _grads(model, x, eager))
+    with CountCasts() as counted, mixprec.autocast("cpu", compute="native"):
+        model(x)
+    assert cast_nodes(low) == counted.casts - (kind == "once")  # used once: the cast of h is a cast of its source
+
+
 @pytest.mark.parametrize(("category", "casts"), [("lower_precision_fp", 1), ("fp16", 2)])
 def test_a_lifted_parameter_is_a_weight(category, casts):
     # export's own graph takes the parameters as placeholders (recorded as leaves that require grad).

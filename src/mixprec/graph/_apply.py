@@ -41,7 +41,7 @@ from torch.utils import _pytree as pytree
 from mixprec import _errors
 from mixprec.engine import _devices, _plan, _rules, _tables
 from mixprec.graph import _decompose, _fp8, _subgraphs
-from mixprec.graph._casts import Casts, is_cast
+from mixprec.graph._casts import Casts, is_cast, uses
 from mixprec.graph._subgraphs import attribute as _attr
 from mixprec.policies import Category, Policy
 from mixprec.policies._category import Action
@@ -141,11 +141,13 @@ class _Rewrite:
             mapped = pytree.tree_map_only(fx.Node, env.__getitem__, (node.args, node.kwargs))
             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
                 env[node] = self.call(node, mapped)
+                self.casts.uses[env[node]] = uses(node)
                 continue
             if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
                 new = _subgraphs.call(self, gm, node, mapped, subgraphs)
                 if new is not None:
                     env[node] = new
+                    self.casts.uses[new] = uses(node)
                     continue
             new = graph.node_copy(node, env.__getitem__)
             if node.op == "placeholder" and inputs is not None:
@@ -156,6 +158,7 @@ class _Rewrite:
             elif node.op == "call_function":
                 new.meta["val"] = _fake_call(self.fake_mode, node.target, new.args, new.kwargs, node)
             self.casts.note(new)
+            self.casts.uses[new] = uses(node)
             env[node] = new
         return subgraphs
 
@@ -236,6 +239,7 @@ class _Rewrite:
                 inner.meta["stack_trace"] = node.meta.get("stack_trace")  # errors name the user's line
                 mapped = pytree.tree_map_only(fx.Node, env.__getitem__, (inner.args, inner.kwargs))
                 env[inner] = self.call(inner, mapped, depth + 1)
+                self.casts.uses[env[inner]] = uses(inner)
             elif inner.op == "output":
                 return env[inner.args[0]]  # type: ignore[no-any-return]
         return None

@@ -3,6 +3,7 @@
 Algorithm for ``Casts.to(node, dtype, cached)``::
 
     while node is a lossless widening cast of src (bf16->f32, f16->f32, ...)
+          and this is node's one use in its graph
           and nothing wrote to src or node since node was made:
         node = src                            # a cast of a widened copy equals a cast of its source
     if node's dtype is dtype: return node     # also removes cast / cast-back pairs
@@ -13,7 +14,12 @@ Algorithm for ``Casts.to(node, dtype, cached)``::
     return cache[(node, dtype)] = new _to_copy(node, dtype=dtype)
 
 A widened copy represents its source exactly, so casting the source instead
-gives the same bits; narrowing casts round, so they are never skipped.
+gives the same bits; narrowing casts round, so they are never skipped. Only a
+copy used once is skipped: where it has other uses, eager sums their gradients
+in the copy's dtype before its backward narrows the sum once, and the source's
+gradient would instead sum each use's narrowed part (``uses``: how often each
+node's original is used in the graph being rewritten; a node it does not know,
+such as a cast the pass made, is never skipped).
 
 Sharing: eager autocast keeps a cast for reuse only for a weight (a float32
 leaf that requires grad, not a view) and only where the target format keeps
@@ -80,6 +86,13 @@ def is_weight(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and _cast.is_weight(val)
 
 
+def uses(node: fx.Node) -> int:
+    """How many times ``node``'s value is used in its graph: once per argument it is, of each user."""
+    return sum(
+        1 for user in node.users for leaf in pytree.tree_leaves((user.args, user.kwargs)) if leaf is node
+    )
+
+
 def dtype_of(node: Any) -> torch.dtype | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     return val.dtype if isinstance(val, torch.Tensor) else None
@@ -97,6 +110,7 @@ class Casts:
         self._made: dict[fx.Node, int] = {}  # node -> when it was noted
         self._storage: dict[Any, Any] = {}  # union-find: node (or _INPUTS) -> a node sharing its storage
         self._written: dict[Any, int] = {}  # a storage's root -> when it was last written
+        self.uses: dict[fx.Node, int] = {}  # a node -> how many times its original's value is used
 
     def note(self, node: fx.Node, effects: tuple[Any, ...] | None = None) -> None:
         """Record ``node``, just added to the graph: its storage and its writes. ``effects``: (target, args,
@@ -128,6 +142,7 @@ class Casts:
         while (
             source is not None
             and dtype_of(node) in _WIDER.get(dtype_of(source), ())  # type: ignore[arg-type]
+            and self.uses.get(node, 0) == 1
             and self._unwritten(node, since=node)
             and self._unwritten(source, since=node)
         ):
