@@ -4,11 +4,12 @@
 #
 #   bash tools/gpu_session.sh tests   tests/cuda (OpInfo, training parity, integrations, fp8, demo)
 #   bash tools/gpu_session.sh bench   benchmarks/fp8.py (the issue's goals: Llama-3-8B MLP block, ~1B Llama
-#                                     step and its 200-step loss), eager_overhead.py (GPT-2 small with every op
-#                                     a mixprec kernel), kernel_cost.py and `mixprec demo`
+#                                     step and its 200-step loss), fp8_profile.py (where the compiled block's
+#                                     time goes, by kernel), eager_overhead.py (GPT-2 small with every op a
+#                                     mixprec kernel), kernel_cost.py and `mixprec demo`
 #   bash tools/gpu_session.sh all     both in one command of at most 9 minutes (shorter limits per step, no
-#                                     JUnit file, fp8.py without the loss comparison and the small block): for a
-#                                     session whose device time fits one machine start only
+#                                     JUnit file, fp8.py without the loss comparison and the small block, no
+#                                     kernel_cost.py): for a session whose device time fits one machine start only
 #
 # The device image lacks `expecttest`, which torch's OpInfo database imports (tests/cuda/test_cuda_opinfo.py):
 # download its wheel into .whl/ here (`pip download --no-deps --only-binary=:all: -d .whl expecttest`, with
@@ -17,7 +18,7 @@
 #
 # Each step runs under its own time limit, so what finished comes back when a later step runs out of time
 # (fp8.py writes its JSON after every case); a part takes at most 9 minutes. Logs and JSON go to $OUT (the device
-# tool's folder: at most 8 files come back; a part writes at most 7, `all` 7), else ./gpu-session.
+# tool's folder: at most 8 files come back; `bench` writes 8 with the summary, `all` 8), else ./gpu-session.
 # GPU_SESSION_DEVICE=cpu runs the same steps on a CPU, shortened, to check the wiring without a GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -66,27 +67,33 @@ tests() {  # tests LIMIT [JUNIT]
     step cuda-tests "$1" "$python" -m pytest tests/cuda -q -p no:cacheprovider -rfE --durations=15 "${select[@]}"
 }
 
-bench() {  # bench FP8_LIMIT OVERHEAD_LIMIT KERNEL_COST_LIMIT DEMO_LIMIT [FP8 CASES...]
-    local fp8 overhead repeats steps
-    local limits=("$1" "$2" "$3" "$4")
-    shift 4
+bench() {  # bench FP8_LIMIT PROFILE_LIMIT OVERHEAD_LIMIT KERNEL_COST_LIMIT DEMO_LIMIT [FP8 CASES...]
+    # (a limit of 0 skips the step)
+    local fp8 profile overhead repeats steps
+    local limits=("$1" "$2" "$3" "$4" "$5")
+    shift 5
     if [ "$quick" = 1 ]; then
         fp8=(--cases mlp-gpt2-small llama loss --repeats 3 --warmup 1 --loss-steps 2)
+        profile=(--steps 2)
         overhead=(--cases gpt2 --repeats 3)
         repeats=2
         steps=5
     else
         fp8=(--cases mlp-llama3-8b llama mlp-gpt2-small loss --repeats 5 --loss-steps 200)
+        profile=(--steps 10)
         overhead=(--cases gpt2 gpt2_kernels --repeats 20)
         repeats=7
         steps=150
         [ $# -gt 0 ] && fp8=(--cases "$@" --repeats 5)
     fi
     step fp8 "${limits[0]}" "$python" benchmarks/fp8.py --device "$device" "${fp8[@]}" --json "$out/fp8.json"
-    step eager-overhead "${limits[1]}" "$python" benchmarks/eager_overhead.py --device "$device" "${overhead[@]}" \
+    [ "${limits[1]}" = 0 ] || step fp8-profile "${limits[1]}" "$python" benchmarks/fp8_profile.py --device "$device" \
+        "${profile[@]}"
+    step eager-overhead "${limits[2]}" "$python" benchmarks/eager_overhead.py --device "$device" "${overhead[@]}" \
         --json "$out/eager-overhead.json"
-    step kernel-cost "${limits[2]}" "$python" benchmarks/kernel_cost.py --device "$device" --repeats "$repeats"
-    step demo "${limits[3]}" "$python" -m mixprec demo --device "$device" --steps "$steps" --out "${TMPDIR:-/tmp}/gpu-session-demo"
+    [ "${limits[3]}" = 0 ] || step kernel-cost "${limits[3]}" "$python" benchmarks/kernel_cost.py --device "$device" \
+        --repeats "$repeats"
+    step demo "${limits[4]}" "$python" -m mixprec demo --device "$device" --steps "$steps" --out "${TMPDIR:-/tmp}/gpu-session-demo"
 }
 
 case "$part" in
@@ -94,13 +101,13 @@ tests)
     tests 480 junit
     ;;
 bench)
-    bench 360 90 45 45
+    bench 360 90 90 45 45
     ;;
 all)
     # (measured 2026-11-27: tests 89 s; five fp8 cases within 250 s; the loss comparison 160 s alone, left to
-    # `bench`; kernel_cost 18 s; the demo 20 s)
+    # `bench`; kernel_cost 18 s, left to `bench` (its goal met on an H200); the demo 20 s)
     tests 130
-    bench 240 80 45 35 mlp-llama3-8b llama
+    bench 220 75 90 0 35 mlp-llama3-8b llama
     ;;
 *)
     echo "usage: bash tools/gpu_session.sh tests|bench|all" >&2
