@@ -5,7 +5,8 @@ to fill ``--sample-ms``):
 
 * ``bf16``: ``torch.autocast(device, torch.bfloat16)`` (native autocast, the baseline);
 * ``fp8``:  ``mixprec.autocast(device, torch.bfloat16, policy=mixprec.policies.FP8)``: the matmul family's
-  three GEMMs through ``torch._scaled_mm`` (tensorwise dynamic scaling, e4m3 / e5m2 gradients).
+  three GEMMs through ``torch._scaled_mm`` (tensorwise dynamic scaling, e4m3 / e5m2 gradients; with
+  ``--fast-accum``, the forward GEMMs without the accumulator's promotion to float32).
 
 Cases:
 
@@ -70,11 +71,17 @@ GOALS = {"mlp-llama3-8b-compiled": 1.35, "llama-compiled": 1.2}
 LOSS_GOAL = 0.01
 
 
-def regions() -> dict[str, Callable[[], Any]]:
+#: The fp8 contender's recipe: the default, or with ``use_fast_accum`` (``--fast-accum``).
+FP8_RECIPE = {"use_fast_accum": False}
+
+
+def regions(use_fast_accum: bool | None = None) -> dict[str, Callable[[], Any]]:
     device = common._device()
+    fast = FP8_RECIPE["use_fast_accum"] if use_fast_accum is None else use_fast_accum
+    policy = mixprec.policies.FP8.with_fp8_recipe(use_fast_accum=fast) if fast else mixprec.policies.FP8
     return {
         "bf16": lambda: torch.autocast(device, dtype=BF16),
-        "fp8": lambda: mixprec.autocast(device, dtype=BF16, policy=mixprec.policies.FP8),
+        "fp8": lambda: mixprec.autocast(device, dtype=BF16, policy=policy),
     }
 
 
@@ -265,8 +272,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="cases to run (default: all; 'loss' is the Llama loss comparison)")  # fmt: skip
     parser.add_argument("--loss-steps", type=int, help="steps of the loss comparison (default 200 on a GPU, 20 on CPU; "
                         "0 skips it)")  # fmt: skip
+    parser.add_argument("--fast-accum", action="store_true",
+                        help="the fp8 contender's forward GEMMs with Fp8Recipe.use_fast_accum")  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = parser.parse_args(argv)
+    FP8_RECIPE["use_fast_accum"] = args.fast_accum
     if args.repeats < 3:
         parser.error(f"--repeats must be at least 3 for a median. Received: {args.repeats}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -275,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     loss_steps = args.loss_steps if args.loss_steps is not None else (200 if common._gpu() else 20)
     info = common.machine()
     where = f"GPU: {info['gpu']}, CUDA {info['cuda']}" if common._gpu() else f"CPU: {info['cpu']} (fp8 emulated)"
-    print(f"{where}; torch {info['torch']}, mixprec {info['mixprec']}, repeats {args.repeats}\n")
+    fast = ", fp8 with use_fast_accum" if args.fast_accum else ""
+    print(f"{where}; torch {info['torch']}, mixprec {info['mixprec']}, repeats {args.repeats}{fast}\n")
     rows: list[dict[str, Any]] = []
     losses = None
 

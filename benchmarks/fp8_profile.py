@@ -2,7 +2,8 @@
 
 ``benchmarks/fp8.py`` says how fast fp8 is; this says why. It compiles the block of ``fp8.py``'s ``mlp-<name>``
 case (``x -> linear -> gelu -> linear``, forward and backward) under each contender, runs ``--steps`` steps
-under ``torch.profiler`` and sums the device time of each kernel per step, in groups:
+under ``torch.profiler`` (contenders: ``bf16``, ``fp8``, and ``fp8-fast``, fp8 whose forward GEMMs use
+``Fp8Recipe(use_fast_accum=True)``) and sums the device time of each kernel per step, in groups:
 
 * ``gemm``: the matrix multiplies (cuBLAS/CUTLASS kernels, ``mm``/``_scaled_mm`` on CPU);
 * ``fused``: the kernels inductor generated (on a GPU ``triton_red``/``triton_per`` reductions, such as an
@@ -68,8 +69,7 @@ def kernels(prof: Any, steps: int, gpu: bool) -> dict[str, dict[str, float]]:
     return dict(out)
 
 
-def profile_contender(name: str, model: nn.Module, x: torch.Tensor, steps: int) -> dict[str, Any]:
-    region = bench.regions()[name]
+def profile_contender(region: Any, model: nn.Module, x: torch.Tensor, steps: int) -> dict[str, Any]:
     compiled = torch.compile(model)
 
     def step() -> None:
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)).to(device)
     x = torch.randn(tokens, width, device=device, requires_grad=True)
-    results = {name: profile_contender(name, model, x, args.steps) for name in bench.regions()}
+    contenders = {**bench.regions(), "fp8-fast": bench.regions(use_fast_accum=True)["fp8"]}
+    results = {name: profile_contender(region, model, x, args.steps) for name, region in contenders.items()}
     unit = "device" if gpu else "CPU self"
     print(f"{unit} time per step, ms    " + "".join(f"{name:>10}" for name in results))
     for key in ("gemm", "fused", "other"):

@@ -165,6 +165,7 @@ def test_error_against_float32_is_fp8s():
     [
         ({"scaling": "blockwise"}, "scaling"),
         ({"power_of_2": 1}, "power_of_2"),
+        ({"use_fast_accum": "yes"}, "use_fast_accum"),
         ({"history": 0}, "history"),
         ({"eps": 0.0}, "eps"),
         ({"eps": float("inf")}, "eps"),
@@ -637,6 +638,33 @@ def test_the_builtin_fp8_policy_is_cuda_with_the_matmul_family_in_fp8(release):
     with _region(policy=policy):
         out = torch.nn.functional.linear(x, w)
     assert torch.equal(out, _fp8.linear(x, w, None, TENSORWISE, torch.bfloat16))
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_fast_accumulation_is_asked_of_the_forward_gemm_alone(monkeypatch, scaling):
+    # torch._scaled_mm's use_fast_accum for the forward GEMM only (the gradients' GEMMs keep promoting to
+    # float32, as torchao's default does); the CPU's float32 product is the same either way.
+    from mixprec import _compat
+
+    asked = []
+    real = _compat.scaled_mm
+    monkeypatch.setattr(_compat, "scaled_mm", lambda *a: asked.append(a[5]) or real(*a))
+    x, w, b, g = _inputs(m=32, k=64, n=48)
+    results = {}
+    for fast in (False, True):
+        asked.clear()
+        recipe = Fp8Recipe(scaling=scaling, use_fast_accum=fast)
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        with _region(policy=FP8.with_fp8_recipe(recipe)):
+            y = torch.nn.functional.linear(*leaves)
+        y.float().backward(g)
+        assert asked == [fast, False, False], (fast, asked)  # forward, then grad_x and grad_w
+        results[fast] = [y, *(t.grad for t in leaves)]
+    for plain, fast in zip(results[False], results[True], strict=True):
+        assert torch.equal(plain, fast)
+    policy = FP8.with_fp8_recipe(use_fast_accum=True)
+    assert policy.to_dict()["fp8"] == {"use_fast_accum": True}
+    assert mixprec.Policy.from_dict(policy.to_dict()) == policy
 
 
 def test_the_policy_chooses_the_recipe_and_carries_it_through_toml(tmp_path):

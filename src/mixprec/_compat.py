@@ -517,10 +517,16 @@ def register_optimizer_step_post_hook(hook: Callable[..., None]) -> Any:
 
 
 def scaled_mm(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, out_dtype: torch.dtype
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``torch._scaled_mm``: ``(a * scale_a) @ (b * scale_b)`` of fp8 operands, accumulated in float32, in
-    ``out_dtype`` (private in every supported release; the same signature in 2.10 to 2.15).
+    ``out_dtype`` (private in every supported release; the same signature in 2.10 to 2.15). ``use_fast_accum``:
+    on CUDA, without the accumulator's periodic promotion to float32 (no effect on CPU).
 
     On CPU the product is a float32 matmul of the fp8 values, then the scales: every fp8 value is exact in
     float32, so it is the same GEMM up to the order of float32 summation (``tests/test_fp8.py`` holds it to
@@ -540,9 +546,11 @@ def scaled_mm(
         with torch.autocast("cpu", enabled=False) if torch.is_autocast_enabled("cpu") else contextlib.nullcontext():
             return (a.float() @ b.float() * scale_a * scale_b).to(out_dtype)
     if (scale_a.numel() != 1 or scale_b.numel() != 1) and out_dtype not in (torch.bfloat16, torch.float16):
-        product = torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+        product = torch._scaled_mm(
+            a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum
+        )
         return product.to(out_dtype)
-    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
 
 
 def raw_op(op: torch._ops.OpOverload) -> Callable[..., Any]:

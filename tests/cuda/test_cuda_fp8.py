@@ -54,6 +54,26 @@ def test_forward_and_both_gradients_match_the_emulation(device, recipe, monkeypa
     assert len(calls) == (3 if device == "cuda" else 0)  # CUDA runs torch._scaled_mm; the CPU a float32 product
 
 
+def test_fast_accumulation_reaches_the_forward_gemm_and_stays_close(device, monkeypatch):
+    # use_fast_accum skips the accumulator's promotion to float32 in the forward GEMM only: on a GPU the output
+    # moves by the accumulator's rounding, the gradients not at all (their GEMMs are the same calls)
+    flags = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: flags.append(k.get("use_fast_accum")) or real(*a, **k))
+    x, w, b, g = (t.to(device) for t in _inputs(m=64, k=1024, n=96))
+    results = {}
+    for fast in (False, True):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        y = _fp8.linear(*leaves, mixprec.policies.Fp8Recipe(use_fast_accum=fast), torch.float32)
+        y.backward(g)
+        results[fast] = [y, *(t.grad for t in leaves)]
+    assert flags == ([False] * 3 + [True, False, False] if device == "cuda" else [])
+    (plain_y, *plain_grads), (fast_y, *fast_grads) = results[False], results[True]
+    torch.testing.assert_close(fast_y, plain_y, rtol=1e-2, atol=1e-2 * float(plain_y.abs().max()))
+    for plain, fast in zip(plain_grads, fast_grads, strict=True):
+        assert torch.equal(plain, fast)
+
+
 def test_a_region_runs_the_fp8_gemms_with_the_output_in_the_region_dtype(device):
     torch.manual_seed(0)
     x, w, b = (torch.randn(*shape, device=device) for shape in ((64, 128), (96, 128), (96,)))

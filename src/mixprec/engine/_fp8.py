@@ -3,7 +3,8 @@
 For ``y = x @ w.t() + b`` (``x`` flattened to 2-D, ``M x K``; ``w`` is ``N x K``) under an ``Fp8Recipe``::
 
     forward   xq, sx = quantise(x, recipe.forward)          wq, sw = quantise(w, recipe.forward)
-              y  = _scaled_mm(xq, wq.t(), 1/sx, 1/sw, out_dtype) + b          (float32 accumulation)
+              y  = _scaled_mm(xq, wq.t(), 1/sx, 1/sw, out_dtype) + b          (float32 accumulation, or
+                                                                   the tensor cores': use_fast_accum)
     backward  gq, sg = quantise(grad_y, recipe.backward)
               grad_x = _scaled_mm(gq, w's fp8 as a column-major N x K, ...)   (grad_y @ w)
               grad_w = _scaled_mm(gq.t() row-major, x's fp8 column-major, ...)  (grad_y.t() @ x)
@@ -151,10 +152,16 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def scaled_mm(
-    a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype
+    a: torch.Tensor,
+    a_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_inv: torch.Tensor,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
-    """``(a * a_inv) @ (b * b_inv)`` in ``out_dtype`` with float32 accumulation: ``a`` row-major, ``b``
-    column-major, as CUDA requires (refused otherwise, on every device)."""
+    """``(a * a_inv) @ (b * b_inv)`` in ``out_dtype`` with float32 accumulation (``use_fast_accum``: the tensor
+    cores' own, on CUDA): ``a`` row-major, ``b`` column-major, as CUDA requires (refused otherwise, on every
+    device)."""
     (m, k), n = a.shape, b.shape[1]
     if not aligned(m, k, n) or not a.is_contiguous() or not b.t().is_contiguous():
         raise RuntimeError(
@@ -166,7 +173,7 @@ def scaled_mm(
                 fix="This is a mixprec bug: ops with unaligned shapes run in the region's dtype instead.",
             )
         )
-    return _compat.scaled_mm(a, b, a_inv, b_inv, out_dtype)
+    return _compat.scaled_mm(a, b, a_inv, b_inv, out_dtype, use_fast_accum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +231,8 @@ class _Fp8Linear(torch.autograd.Function):
         site = _amax.site(source, recipe.history) if recipe.scaling == "delayed" else None
         xq, sx = quantise(x2, forward, recipe, 1 if rowwise else None, site, _amax.INPUT)
         wq, sw = quantise_weight(weight, source, forward, recipe, 1 if rowwise else None, site)
-        y = scaled_mm(xq.contiguous(), sx, wq.t(), sw.reshape(1, -1) if rowwise else sw, out_dtype)
+        w_inv = sw.reshape(1, -1) if rowwise else sw
+        y = scaled_mm(xq.contiguous(), sx, wq.t(), w_inv, out_dtype, recipe.use_fast_accum)
         if bias is not None:
             y = y + bias.to(out_dtype)
         ctx.token = None

@@ -9,7 +9,10 @@ A recipe is a frozen value a policy carries; ``engine._fp8`` carries it out. Its
 * ``history``: the steps of amax history a delayed recipe keeps;
 * ``eps``: the smallest amax a scale is computed from (an all-zero tensor gets a finite scale);
 * ``forward``: the format inputs and weights are quantised to; ``backward``: the format incoming gradients
-  are quantised to (``_format.FP8_FORMATS``).
+  are quantised to (``_format.FP8_FORMATS``);
+* ``use_fast_accum``: the forward GEMM accumulates in the tensor cores' own accumulator, without the periodic
+  promotion to float32 (``torch._scaled_mm``'s ``use_fast_accum``: faster on Hopper, less precise over a long
+  contracted dimension); the gradients' GEMMs always promote. A GPU matter: the CPU's product is float32.
 
 The scale of a tensor ``t`` is ``finfo(format).max / max(amax(t), eps)``; the scaled values are clamped to
 ``±finfo(format).max`` before the cast, since an overflowing cast saturates in e4m3 but gives inf in e5m2.
@@ -36,6 +39,7 @@ class Fp8Recipe:
     eps: float = 1e-12
     forward: str = E4M3
     backward: str = E5M2
+    use_fast_accum: bool = False
 
     def __post_init__(self) -> None:
         def refuse(field: str, value: object, expected: object) -> None:
@@ -50,8 +54,9 @@ class Fp8Recipe:
 
         if self.scaling not in SCALINGS:
             refuse("scaling", self.scaling, list(SCALINGS))
-        if type(self.power_of_2) is not bool:
-            refuse("power_of_2", self.power_of_2, "True or False")
+        for flag in ("power_of_2", "use_fast_accum"):
+            if type(getattr(self, flag)) is not bool:
+                refuse(flag, getattr(self, flag), "True or False")
         if type(self.history) is not int or self.history < 1:
             refuse("history", self.history, "an int of at least 1")
         if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not 0 < self.eps < math.inf:
