@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
 import torch
 
 import mixprec
-from mixprec import engine
+from mixprec import _compat, engine
 from mixprec.engine import _kernels, _state, _tables
 
 CPU = mixprec.policies.CPU
@@ -79,6 +80,49 @@ def test_a_plain_torch_autocast_region_through_mixprec_kernels_is_native():
         through_kernel = torch.mm(a, a)
     assert MM in _kernels.registered("cpu")
     assert through_kernel.dtype is torch.bfloat16 and torch.equal(through_kernel, native)
+
+
+def _cast_order(run, *, hooks=False):
+    """mm's argument positions in the order their casts were made (autograd's sequence numbers)."""
+    a, b = (torch.randn(4, 4, requires_grad=True) * 1 for _ in range(2))  # (not leaves: no cast kept)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if hooks else contextlib.nullcontext():
+        out = run(a, b)
+    casts = [fn for fn, _ in out.grad_fn.next_functions]
+    return sorted(range(2), key=lambda i: casts[i]._sequence_nr())
+
+
+def test_native_casts_reversed_is_the_order_torchs_kernels_cast_in():
+    with torch.autocast("cpu"):
+        order = _cast_order(torch.mm)
+    assert order == ([1, 0] if _compat.native_casts_reversed() else [0, 1])
+
+
+@pytest.mark.parametrize("path", ["cpp", "python"], ids=["cpp-kernel", "python-kernel"])
+def test_an_ops_casts_are_made_in_native_order_and_their_gradients_summed_as_native(path):
+    # h's gradient sums sigmoid's and mm's two casts' in float32: autograd runs the later-made cast first, so
+    # the casts' order shows in the last bit (a saved-tensor hook sends the call to the Python kernel)
+    x, gen = torch.randn(8, 8), torch.Generator().manual_seed(1)
+    grads = [torch.randn(8, 8, generator=gen).bfloat16(), torch.randn(8, 8, generator=gen)]
+
+    def x_grad(region):
+        leaf = x.clone().requires_grad_()
+        with region, torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t) if path == "python" \
+                else contextlib.nullcontext():  # fmt: skip
+            h = leaf.sin()
+            outs = torch.mm(h, h), h.sigmoid()
+        torch.autograd.backward(outs, grads)
+        return leaf.grad
+
+    native = x_grad(torch.autocast("cpu"))
+    with torch.autocast("cpu"):
+        native_order = _cast_order(torch.mm)
+    with mixprec.autocast("cpu", policy=CPU.with_ops(fp32=["mm"]), compute="native"):
+        pass  # mm gets a mixprec kernel
+    assert MM in _kernels.registered("cpu")
+    with torch.autocast("cpu"):
+        assert _cast_order(torch.mm, hooks=path == "python") == native_order
+    assert torch.equal(x_grad(torch.autocast("cpu")), native)
+    assert torch.equal(x_grad(mixprec.autocast("cpu", policy=CPU.with_ops(fp32=["cat"]), compute="native")), native)
 
 
 def test_reset_gives_torch_its_own_kernels_back():

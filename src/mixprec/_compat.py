@@ -403,6 +403,18 @@ def backend_key(device_type: str) -> str | None:
         return None
 
 
+@functools.cache
+def native_casts_reversed() -> bool:
+    """Whether torch's own autocast kernels cast an op's arguments last to first. They cast them in one C++ call's
+    argument list (``op(cached_cast(dtype, args, device)...)``; a list argument's tensors first to last), whose
+    order of evaluation is the compiler's: GCC and MSVC evaluate right to left, clang left to right. Autograd runs
+    a later-made node first, so the order shows in the float32 sum of the gradients a tensor gets through more
+    than two uses, two of them one op's casts. Read from torch's build configuration (its first line names the
+    compiler); ``tests/test_kernels.py`` holds it to the order torch's kernels make their casts in."""
+    lines = [line.strip(" -").lower() for line in torch.__config__.show().splitlines()[1:3]]
+    return not any("clang" in line for line in lines)
+
+
 def load_extension(name: str, source: str, directory: Path) -> Any:
     """``torch.utils.cpp_extension.load``: ``source`` built against this torch in ``directory`` (once) and
     imported. The C++ reaches these internals, present on every supported release and built by

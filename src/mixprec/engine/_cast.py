@@ -262,6 +262,10 @@ def cast_value(value: Any, dtype: torch.dtype, device_type: str, cache: Cache | 
 _SEQUENCES = (list, tuple)
 
 
+#: Whether a call's arguments are cast last to first, as torch's kernels cast them (``_compat``).
+_reversed = _compat.native_casts_reversed
+
+
 def cast_call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -275,12 +279,21 @@ def cast_call(
 
     The kernels' hot path: ``cast_tensor`` written out for a call's positional tensors, and the cache looked up
     only when a weight is met. Eligibility is ``_plan.eligible_tensor``'s, written out (a test holds them equal).
+
+    The casts are made in torch's kernels' order (``_compat.native_casts_reversed``: the schema's last argument
+    first, where torch's compiler evaluates so; a list's tensors first to last), so autograd sums a tensor's
+    gradients in native's order.
     """
     cache: Any = _UNSET if cached else None
     cpu = device_type == "cpu"
     method = _CAST.get(dtype)
+    backwards = _reversed()
+    if kwargs and backwards:  # (keyword-only arguments come last in a schema: first, last to first)
+        cache = cache_for_call(torch_rules) if cache is _UNSET else cache
+        kwargs = {k: cast_value(kwargs[k], dtype, device_type, cache) for k in reversed(kwargs)}
+        kwargs = dict(reversed(kwargs.items()))
     out = []
-    for a in args:
+    for a in reversed(args) if backwards else args:
         if isinstance(a, _Tensor):
             source = a.dtype
             if (
@@ -302,7 +315,9 @@ def cast_call(
                 cache = cache_for_call(torch_rules)
             a = cast_value(a, dtype, device_type, cache)
         out.append(a)
-    if kwargs:
+    if backwards:
+        out.reverse()
+    elif kwargs:
         if cache is _UNSET:
             cache = cache_for_call(torch_rules)
         kwargs = {k: cast_value(v, dtype, device_type, cache) for k, v in kwargs.items()}

@@ -106,6 +106,10 @@ bool eligible(const at::Tensor& t, at::ScalarType dtype, c10::DeviceType device)
   return source != dtype && castable[static_cast<size_t>(source)] && t.device().type() == device;
 }
 
+// Whether a call's arguments are cast last to first, as torch's own kernels cast them (``set_reversed``:
+// ``_compat.native_casts_reversed``), so autograd sums a tensor's gradients in native's order.
+bool reversed_order = true;
+
 bool is_weight(const at::Tensor& t) {
   // ``_cast.cast_call``'s test for a cast the cache keeps: a float32 leaf that requires grad, not a view.
   return t.scalar_type() == at::kFloat && t.requires_grad() && t.is_leaf() && !t.is_view();
@@ -277,9 +281,10 @@ struct Kernel final : c10::OperatorKernel {
     c10::impl::ExcludeDispatchKeyGuard guard(key);
     const auto dtype = plan.dtype >= 0 ? static_cast<at::ScalarType>(plan.dtype) : at::autocast::get_autocast_dtype(device);
     const bool cache = plan.cached && at::autocast::is_autocast_cache_enabled();
-    const size_t n = op.schema().arguments().size();
-    for (auto it = stack->end() - static_cast<std::ptrdiff_t>(n); it != stack->end(); ++it) {
-      c10::IValue& value = *it;
+    const auto n = static_cast<std::ptrdiff_t>(op.schema().arguments().size());
+    const auto first = stack->end() - n;
+    for (std::ptrdiff_t i = 0; i < n; ++i) {
+      c10::IValue& value = *(reversed_order ? stack->end() - 1 - i : first + i);
       if (value.isTensor()) {
         value = cast_one(value.toTensor(), dtype, device, cache, plan.torch_rules);
       } else if (value.isTensorList()) {
@@ -467,6 +472,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       castable[static_cast<size_t>(scalar_type(d))] = true;
     }
   });
+  m.def("set_reversed", [](bool on) { reversed_order = on; });
   m.def("counts", []() { return std::make_tuple(fast_calls, python_calls); });
   m.def("set_in_level", [](bool on) { in_level = on; });
   // The casts run without the GIL, as torch's own calls do (and a thread that holds the mirror's lock may

@@ -98,6 +98,7 @@ def _build() -> Any:
 
     _cast.use_extension(module)  # the weights' casts kept in C++, for both kinds of kernel
     module.set_eligible([d for d in dtypes() if _plan.eligible(d, "any", "any")])  # the rule stays _plan's
+    module.set_reversed(_compat.native_casts_reversed())  # the casts in torch's kernels' order
     return module
 
 

@@ -38,7 +38,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from mixprec import _errors
+from mixprec import _compat, _errors
 from mixprec.engine import _devices, _plan, _rules, _tables
 from mixprec.graph import _decompose, _fp8, _subgraphs
 from mixprec.graph._casts import Casts, is_cast, uses
@@ -166,11 +166,22 @@ class _Rewrite:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None
         return isinstance(val, torch.Tensor) and _plan.eligible(val.dtype, val.device.type, self.device_type)
 
-    def cast_all(self, tree: Any, dtype: torch.dtype, cached: bool) -> Any:
-        """``tree``'s eligible nodes cast to ``dtype``; weights' casts shared if ``cached`` (``Casts.to``)."""
-        return pytree.tree_map_only(
-            fx.Node, lambda n: self.casts.to(n, dtype, cached) if self.eligible(n) else n, tree
-        )
+    def cast_all(self, inputs: tuple[tuple[Any, ...], dict[str, Any]], dtype: torch.dtype, cached: bool) -> Any:
+        """A call's eligible nodes cast to ``dtype``; weights' casts shared if ``cached`` (``Casts.to``). The casts
+        are written in the order eager's kernels make them (``_compat.native_casts_reversed``: the arguments last
+        to first, a list's tensors first to last), which is the order autograd sums their gradients in."""
+
+        def cast(value: Any) -> Any:
+            return pytree.tree_map_only(
+                fx.Node, lambda n: self.casts.to(n, dtype, cached) if self.eligible(n) else n, value
+            )
+
+        args, kwargs = inputs
+        if not _compat.native_casts_reversed():
+            return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+        cast_kwargs = {k: cast(kwargs[k]) for k in reversed(kwargs)}
+        cast_args = [cast(a) for a in reversed(args)]
+        return tuple(reversed(cast_args)), {k: cast_kwargs[k] for k in kwargs}
 
     def call(self, node: fx.Node, inputs: tuple[tuple[Any, ...], dict[str, Any]], depth: int = 0) -> fx.Node:
         args, kwargs = inputs
