@@ -610,6 +610,30 @@ def test_gradients_through_a_tensor_two_ops_use_are_eager_mixprecs(used, categor
     _assert_bitwise(_grads(model, x, low), _grads(model, x, eager))
 
 
+def _regions_by_calls(x, w):
+    with torch.autocast("cpu", enabled=False):
+        a = torch.mm(x, w)
+        with torch.autocast("cpu", dtype=torch.float16):
+            b = torch.mm(x, w)
+        c = torch.mm(a, w)
+    return a, b, c, torch.mm(x, w)
+
+
+def test_a_region_that_make_fx_records_as_calls_takes_its_own_rules():
+    # make_fx writes a torch.autocast region as _enter_autocast / _exit_autocast calls (export: a HOP): the ops
+    # between them run by the region's rules (none where disabled, torch's at its dtype), as in eager code
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    torch.manual_seed(0)
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    low = apply_policy(make_fx(_regions_by_calls, pre_dispatch=True)(x, w), mixprec.policies.CPU, BF16)
+    with mixprec.autocast("cpu", compute="native"):
+        expected = _regions_by_calls(x, w)
+    got = low(x, w)
+    assert [t.dtype for t in got] == [torch.float32, torch.float16, torch.float32, BF16]
+    _assert_bitwise(got, expected)
+
+
 class _Widened(torch.nn.Module):
     """A float32 copy of a bf16 tensor, used once, by two mm's, by an mm and a float32 op, or twice by one mm."""
 

@@ -403,6 +403,14 @@ def backend_key(device_type: str) -> str | None:
         return None
 
 
+def autocast_region_calls() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The calls make_fx records a ``torch.autocast`` region in traced code as (``torch.amp.autocast_mode``'s
+    private ``_enter_autocast(device, dtype, enabled, cache)`` and ``_exit_autocast(entered)``, in every supported
+    release; export records a ``wrap_with_autocast`` higher-order op instead)."""
+    module = torch.amp.autocast_mode
+    return module._enter_autocast, module._exit_autocast
+
+
 @functools.cache
 def native_casts_reversed() -> bool:
     """Whether torch's own autocast kernels cast an op's arguments last to first. They cast them in one C++ call's

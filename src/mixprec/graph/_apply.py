@@ -106,6 +106,7 @@ class _Rewrite:
         # with a category: traced once per graph, not at every node (a graph holds many reshapes).
         self._barren: set[Hashable] = set()
         self.casts = Casts(fx.Graph(), fake_mode)  # the graph being written (``module`` sets it)
+        self.region_device: str | None = None  # inside a region entered by a call, where device_type is None
 
     def module(self, gm: fx.GraphModule, inputs: list[Any] | None) -> tuple[fx.GraphModule, Any]:
         """``gm`` rewritten (its placeholders holding ``inputs``, or the values they recorded), and the values
@@ -137,14 +138,19 @@ class _Rewrite:
         """Write ``gm``'s nodes into ``graph``, rewritten; the subgraphs written, by attribute name."""
         env: dict[fx.Node, fx.Node] = {}
         subgraphs: dict[str, fx.GraphModule] = {}
+        regions: list[_Rewrite] = [self]  # the rules in force: a torch.autocast region's inside one (make_fx's)
+        region_calls = _compat.autocast_region_calls()
         for node in gm.graph.nodes:
+            rw = regions[-1]
             mapped = pytree.tree_map_only(fx.Node, env.__getitem__, (node.args, node.kwargs))
             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
-                env[node] = self.call(node, mapped)
+                rw.check_devices(node, mapped)
+                env[node] = rw.call(node, mapped)
                 self.casts.uses[env[node]] = uses(node)
                 continue
             if node.op == "call_function" and isinstance(node.target, torch._ops.HigherOrderOperator):
-                new = _subgraphs.call(self, gm, node, mapped, subgraphs)
+                rw.check_devices(node, mapped)
+                new = _subgraphs.call(rw, gm, node, mapped, subgraphs)
                 if new is not None:
                     env[node] = new
                     self.casts.uses[new] = uses(node)
@@ -160,7 +166,44 @@ class _Rewrite:
             self.casts.note(new)
             self.casts.uses[new] = uses(node)
             env[node] = new
+            if node.op == "call_function" and node.target in region_calls:
+                if node.target is region_calls[0]:
+                    regions.append(rw.entered(*node.args[:3]))
+                elif len(regions) > 1:
+                    regions.pop()
         return subgraphs
+
+    def entered(self, device_type: str, dtype: torch.dtype | None, enabled: bool) -> _Rewrite:
+        """The rules inside a ``torch.autocast`` region that the graph enters by a call (make_fx records
+        ``_enter_autocast`` / ``_exit_autocast``; export a ``wrap_with_autocast`` HOP, ``_subgraphs``): torch's
+        own table at the region's dtype, or no casts where it is disabled, in the same graph and cast cache (a
+        nested region shares the outer one's cache, as torch's does). A region for another device than the
+        pass's leaves its rules as they are."""
+        if self.device_type is not None and self.device_type != device_type:
+            return self
+        inner = self.under(device_type, dtype if dtype is not None else torch.get_autocast_dtype(device_type), enabled)
+        inner.casts, inner.region_device = self.casts, device_type if self.device_type is None else None
+        return inner
+
+    def check_devices(self, node: fx.Node, inputs: Any) -> None:
+        """Inside a region for one device where the pass casts on every device: a call on tensors of another
+        device would need both rules at once, which apply_policy refuses (as ``_subgraphs`` refuses such a
+        ``wrap_with_autocast``)."""
+        if self.region_device is None:
+            return
+        vals = [n.meta.get("val") for n in pytree.tree_leaves(inputs) if isinstance(n, fx.Node)]
+        others = {v.device.type for v in vals if isinstance(v, torch.Tensor)} - {self.region_device}
+        if others:
+            raise NotImplementedError(
+                _errors.message(
+                    "apply_policy cannot rewrite a torch.autocast region in the graph",
+                    f"the region is for {self.region_device} and holds tensors on other devices, and apply_policy "
+                    "was given no device_type: the region's rules apply to some tensors and the policy's to others",
+                    received={"devices": sorted(others)},
+                    fix=f"Pass device_type={self.region_device!r} to apply_policy.",
+                )
+                + _decompose.where(node)
+            )
 
     def eligible(self, value: Any) -> bool:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None
