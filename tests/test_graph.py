@@ -11,7 +11,7 @@ import mixprec
 from _counting import CountCasts
 from mixprec import engine
 from mixprec.graph import apply_policy, cast_nodes
-from mixprec.graph._casts import cast_source
+from mixprec.graph._casts import cast_source, is_cast
 
 BF16 = torch.bfloat16
 
@@ -632,6 +632,47 @@ def test_a_region_that_make_fx_records_as_calls_takes_its_own_rules():
     got = low(x, w)
     assert [t.dtype for t in got] == [torch.float32, torch.float16, torch.float32, BF16]
     _assert_bitwise(got, expected)
+
+
+class _BlockBetween(torch.nn.Module):
+    """Two mm's of one weight around a no_grad or torch.autocast block that reads x, or writes a buffer."""
+
+    def __init__(self, block, writes):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("seen", torch.zeros(8, 8))
+        self.block, self.writes = block, writes
+
+    def forward(self, x):
+        a = torch.mm(x, self.w)
+        with self.block():
+            r = torch.relu(x)
+            if self.writes:
+                self.seen.add_(r)
+        return a, torch.mm(x, self.w) + r
+
+
+BLOCKS = {"no_grad": torch.no_grad, "autocast_disabled": lambda: torch.autocast("cpu", enabled=False)}
+
+
+@pytest.mark.parametrize("writes", [False, True], ids=["reads", "writes_a_buffer"])
+@pytest.mark.parametrize("block", BLOCKS)
+def test_a_block_that_reads_its_inputs_keeps_a_weights_cast(block, writes):
+    # A higher-order op whose subgraph writes none of its inputs writes nothing: w's cast made before it serves
+    # the mm after it, as eager autocast's cache does (so w's gradient sums in bf16, as eager's); one that writes
+    # an input may have written w (the graph's inputs may alias), and w is cast again.
+    torch.manual_seed(0)
+    model, x = _BlockBetween(BLOCKS[block], writes), torch.randn(8, 8)
+    low = apply_policy(torch.export.export(model, (x,)).module(), mixprec.policies.CPU, BF16)
+    assert sum(1 for n in low.graph.nodes if is_cast(n) and cast_source(n).target == "w") == (2 if writes else 1)
+    if writes:
+        return
+
+    def eager(inputs):
+        with mixprec.autocast("cpu", compute="native"):
+            return model(inputs)
+
+    _assert_bitwise(_grads(model, x, low), _grads(model, x, eager))
 
 
 class _Widened(torch.nn.Module):

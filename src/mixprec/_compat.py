@@ -411,7 +411,16 @@ def autocast_region_calls() -> tuple[Callable[..., Any], Callable[..., Any]]:
     return module._enter_autocast, module._exit_autocast
 
 
-@functools.cache
+def grad_mode_call() -> Callable[..., Any]:
+    """The call make_fx records a ``torch.no_grad()`` / ``torch.enable_grad()`` block's entry and exit as:
+    ``torch._C._set_grad_enabled(mode)`` (every supported release; export records a higher-order op instead)."""
+    return torch._C._set_grad_enabled  # type: ignore[no-any-return]
+
+
+_casts_reversed: list[bool] = []  # native_casts_reversed's answer, once asked
+
+
+@constant  # (a compiled kernel's call: dynamo runs it eagerly, the build configuration is no op)
 def native_casts_reversed() -> bool:
     """Whether torch's own autocast kernels cast an op's arguments last to first. They cast them in one C++ call's
     argument list (``op(cached_cast(dtype, args, device)...)``; a list argument's tensors first to last), whose
@@ -419,8 +428,10 @@ def native_casts_reversed() -> bool:
     a later-made node first, so the order shows in the float32 sum of the gradients a tensor gets through more
     than two uses, two of them one op's casts. Read from torch's build configuration (its first line names the
     compiler); ``tests/test_kernels.py`` holds it to the order torch's kernels make their casts in."""
-    lines = [line.strip(" -").lower() for line in torch.__config__.show().splitlines()[1:3]]
-    return not any("clang" in line for line in lines)
+    if not _casts_reversed:
+        lines = [line.strip(" -").lower() for line in torch.__config__.show().splitlines()[1:3]]
+        _casts_reversed.append(not any("clang" in line for line in lines))
+    return _casts_reversed[0]
 
 
 def load_extension(name: str, source: str, directory: Path) -> Any:

@@ -92,16 +92,19 @@ class _Rewrite:
         device_type: str | None,
         fake_mode: Any,
         table: dict[Any, Category] | None = None,
+        enabled: bool = True,
     ) -> None:
         self.policy, self.dtype, self.device_type, self.fake_mode = policy, dtype, device_type, fake_mode
         # The engine's table of overloads, as the eager kernels read it: the device's effective table (what
-        # runs there under this policy, torch's own kernels included), or the policy's own for any device.
+        # runs there under this policy, torch's own kernels included), or the policy's own for any device; none
+        # inside a disabled torch.autocast region (``under``), which keeps the policy's for regions nested in it.
         if table is not None:
-            self.table = table
+            self.policy_table = table
         elif device_type is not None and _tables.autocast_key(device_type) is not None:
-            self.table = _tables.effective(policy, device_type)[0]
+            self.policy_table = _tables.effective(policy, device_type)[0]
         else:
-            self.table = _tables.categories(policy)
+            self.policy_table = _tables.categories(policy)
+        self.table = self.policy_table if enabled else {}
         # Calls (``_decompose.signature``: all a decomposition depends on) whose decomposition reaches no op
         # with a category: traced once per graph, not at every node (a graph holds many reshapes).
         self._barren: set[Hashable] = set()
@@ -129,17 +132,18 @@ class _Rewrite:
         return out, pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), output.args[0])
 
     def under(self, device_type: str, dtype: torch.dtype, enabled: bool) -> _Rewrite:
-        """The pass inside a ``torch.autocast`` region in the graph: torch's own table on the device at the
-        region's dtype, or no casts where the region is disabled."""
-        table = _tables.native(device_type) if enabled else {}
-        return _Rewrite(_tables.default_policy(device_type), dtype, device_type, self.fake_mode, table)
+        """The pass inside a ``torch.autocast`` region in the graph: the policy at the region's dtype, as a
+        nested ``torch.autocast`` changes only torch's dtype in eager code (the kernels read it from torch: the
+        policy still applies), or no casts where the region is disabled."""
+        return _Rewrite(self.policy, dtype, device_type, self.fake_mode, self.policy_table, enabled)
 
     def _copy(self, gm: fx.GraphModule, graph: fx.Graph, inputs: Any) -> dict[str, fx.GraphModule]:
         """Write ``gm``'s nodes into ``graph``, rewritten; the subgraphs written, by attribute name."""
         env: dict[fx.Node, fx.Node] = {}
         subgraphs: dict[str, fx.GraphModule] = {}
         regions: list[_Rewrite] = [self]  # the rules in force: a torch.autocast region's inside one (make_fx's)
-        region_calls = _compat.autocast_region_calls()
+        region_calls, set_grad = _compat.autocast_region_calls(), _compat.grad_mode_call()
+        attributes: dict[int, fx.Node] = {}  # id of a tensor attribute -> the first get_attr node reading it
         for node in gm.graph.nodes:
             rw = regions[-1]
             mapped = pytree.tree_map_only(fx.Node, env.__getitem__, (node.args, node.kwargs))
@@ -156,8 +160,15 @@ class _Rewrite:
                     self.casts.uses[new] = uses(node)
                     continue
             new = graph.node_copy(node, env.__getitem__)
+            if node.op == "call_function" and node.target is region_calls[0] and rw.entered(*node.args[:3]) is not rw:
+                new.args = (*node.args[:2], False, *node.args[3:])  # its casts written out (``entered``)
             if node.op == "placeholder" and inputs is not None:
                 new.meta["val"] = next(inputs)
+            elif node.op == "get_attr" and _is_real_tensor(attr := _attr(gm, node.target)):
+                # the attribute itself (make_fx records a parameter's value without requires_grad), and one
+                # tensor to the cast cache however many get_attr nodes read it (make_fx: one per use)
+                new.meta["val"] = _refake(self.fake_mode, attr)
+                self.casts.same[new] = attributes.setdefault(id(attr), new)
             elif node.op in ("placeholder", "get_attr"):
                 val = node.meta["val"] if "val" in node.meta else _attr(gm, node.target)
                 new.meta["val"] = _refake(self.fake_mode, val)
@@ -166,6 +177,8 @@ class _Rewrite:
             self.casts.note(new)
             self.casts.uses[new] = uses(node)
             env[node] = new
+            if node.op == "call_function" and node.target is set_grad and isinstance(node.args[0], bool):
+                self.casts.grad_enabled = node.args[0]
             if node.op == "call_function" and node.target in region_calls:
                 if node.target is region_calls[0]:
                     regions.append(rw.entered(*node.args[:3]))
@@ -175,10 +188,10 @@ class _Rewrite:
 
     def entered(self, device_type: str, dtype: torch.dtype | None, enabled: bool) -> _Rewrite:
         """The rules inside a ``torch.autocast`` region that the graph enters by a call (make_fx records
-        ``_enter_autocast`` / ``_exit_autocast``; export a ``wrap_with_autocast`` HOP, ``_subgraphs``): torch's
-        own table at the region's dtype, or no casts where it is disabled, in the same graph and cast cache (a
-        nested region shares the outer one's cache, as torch's does). A region for another device than the
-        pass's leaves its rules as they are."""
+        ``_enter_autocast`` / ``_exit_autocast``; export a ``wrap_with_autocast`` HOP, ``_subgraphs``): the
+        policy at the region's dtype (``under``), or no casts where it is disabled, in the same graph and cast cache (a
+        nested region shares the outer one's cache, as torch's does); the rewritten graph enters it disabled,
+        its casts written out. A region for another device than the pass's leaves its rules as they are."""
         if self.device_type is not None and self.device_type != device_type:
             return self
         inner = self.under(device_type, dtype if dtype is not None else torch.get_autocast_dtype(device_type), enabled)
@@ -389,6 +402,12 @@ def _fake_call(fake_mode: Any, target: Callable[..., Any], args: Any, kwargs: An
             return target(*vals[0], **vals[1])
     except Exception:  # a higher-order op or a node fake tensors cannot run: keep what the trace recorded
         return node.meta.get("val")
+
+
+def _is_real_tensor(value: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor)
 
 
 def _refake(fake_mode: Any, val: Any) -> Any:

@@ -7,10 +7,10 @@ Algorithm for ``Casts.to(node, dtype, cached)``::
           and nothing wrote to src or node since node was made:
         node = src                            # a cast of a widened copy equals a cast of its source
     if node's dtype is dtype: return node     # also removes cast / cast-back pairs
-    if not (cached and is_weight(node)):      # eager autocast's rule: it casts afresh at each use
-        return new _to_copy(node, dtype=dtype)
+    if not cached or grad is off or node is neither a weight nor an input that may be one:
+        return new _to_copy(node, dtype=dtype)  # eager autocast's rule: it casts afresh at each use
     if cache holds (node, dtype) and nothing wrote to node or to that cast since the cast was made:
-        return it
+        return it if node is a weight, else new cast_unless_weight(node, it, dtype)
     return cache[(node, dtype)] = new _to_copy(node, dtype=dtype)
 
 A widened copy represents its source exactly, so casting the source instead
@@ -29,6 +29,15 @@ by two ops sums their gradients in the cast's dtype before its backward, where
 two casts sum them in the source's dtype. So ``to`` shares a cast exactly where
 eager would (``cached`` is the target's, ``is_weight`` eager's test on the
 node's value: a parameter, which ``_apply`` records as a leaf requiring grad).
+A graph input traced without ``requires_grad`` may yet be a weight when the
+graph runs (a leaf the caller made require grad, as a parameter that make_fx
+takes as an input): its later uses call ``cast_unless_weight``, which reuses
+the first use's cast where the tensor it gets is a weight and casts afresh
+where not, as eager autocast decides per call. Under ``no_grad`` (a stretch of
+a make_fx graph after ``_set_grad_enabled(False)``) eager keeps no weight's
+cast, and neither does the pass. A parameter that two
+``get_attr`` nodes read (make_fx names it once per use) is one tensor to the
+cache (``same``).
 
 Writes: every node added to the graph is ``note``d in order. A node joins the
 storage of the arguments its op's schema annotates (a view, an in-place op's
@@ -36,7 +45,9 @@ result, an ``out=``), and an argument annotated ``!`` is written, with all that
 shares its storage: its base and the base's other views. The graph's inputs
 (placeholders, attributes) may alias one another, so they share one storage. A
 call that is no ATen op (a higher-order op, a Python function) may alias and
-write every tensor it is given. So a cast made before an in-place op is never
+write every tensor it is given, but a higher-order op whose subgraphs write none
+of their inputs (``writes_inputs``: a ``no_grad`` or ``torch.autocast`` block that
+only reads them) writes nothing. So a cast made before an in-place op is never
 reused after it, as eager autocast casts again at each call (its own cache keeps
 only weights' casts, and mixprec's drops one when the weight's version moves).
 """
@@ -68,13 +79,27 @@ def cast_source(node: fx.Node) -> fx.Node | None:
     target = node.target
     if target is aten._to_copy.default:
         return node.args[0] if set(node.kwargs) <= {"dtype"} and len(node.args) == 1 else None
-    if target in (aten.to.dtype, torch.ops.prims.convert_element_type.default):
+    if target in (aten.to.dtype, torch.ops.prims.convert_element_type.default, cast_unless_weight):
         return node.args[0]
     return None
 
 
 def is_cast(node: fx.Node) -> bool:
     return cast_source(node) is not None
+
+
+def cast_unless_weight(t: torch.Tensor, cast: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cast`` (an earlier use's cast of ``t`` to ``dtype``) where ``t`` is a weight by eager autocast's test,
+    whose cache would give that cast again; else a new cast of ``t``, as eager casts anything else at each use.
+    The graph's later uses of an input that may be a weight when it runs call it (``Casts.to``)."""
+    return cast if _cast.is_weight(t) else _cast.to(t, dtype)
+
+
+def may_be_weight(node: fx.Node) -> bool:
+    """Whether ``node`` is a graph input whose trace cannot say if it is a weight (float32, traced without
+    ``requires_grad``): a placeholder, as the caller's tensor may be a leaf that requires grad when it runs."""
+    val = node.meta.get("val")
+    return node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype is torch.float32
 
 
 def is_weight(node: fx.Node) -> bool:
@@ -111,10 +136,14 @@ class Casts:
         self._storage: dict[Any, Any] = {}  # union-find: node (or _INPUTS) -> a node sharing its storage
         self._written: dict[Any, int] = {}  # a storage's root -> when it was last written
         self.uses: dict[fx.Node, int] = {}  # a node -> how many times its original's value is used
+        self.same: dict[fx.Node, fx.Node] = {}  # a get_attr node -> the first reading the same tensor
+        self.grad_enabled = True  # False after a make_fx graph's _set_grad_enabled(False): nothing is kept
 
-    def note(self, node: fx.Node, effects: tuple[Any, ...] | None = None) -> None:
+    def note(self, node: fx.Node, effects: tuple[Any, ...] | None = None, writes: bool = True) -> None:
         """Record ``node``, just added to the graph: its storage and its writes. ``effects``: (target, args,
-        kwargs) whose schema says them, where the node calls something else for an op (``_fp8.scaled_call``)."""
+        kwargs) whose schema says them, where the node calls something else for an op (``_fp8.scaled_call``).
+        ``writes``: False for a call that is no ATen op but is known to write none of its arguments (a
+        higher-order op whose subgraphs write no input: ``writes_inputs``)."""
         self._tick += 1
         self._made[node] = self._tick
         target, args, kwargs = effects if effects is not None else (node.target, node.args, node.kwargs)
@@ -129,7 +158,8 @@ class Casts:
         elif node.op == "output":
             aliased, written = [], []
         else:
-            aliased = written = _tensors((args, kwargs))
+            aliased = _tensors((args, kwargs))
+            written = aliased if writes else []
         for other in aliased:
             self._union(node, other)
         for other in written:
@@ -149,19 +179,25 @@ class Casts:
             node, source = source, cast_source(source)
         if dtype_of(node) is dtype:
             return node
-        if not (cached and is_weight(node)):
+        weight = is_weight(node)
+        if not (cached and self.grad_enabled and (weight or may_be_weight(node))):
             return self._cast(node, dtype)
-        key = (node, dtype)
+        key = (self.same.get(node, node), dtype)
         hit = self.cache.get(key)
         if hit is None or not (self._unwritten(node, since=hit) and self._unwritten(hit, since=hit)):
             hit = self.cache[key] = self._cast(node, dtype)
-        return hit
+            return hit
+        return hit if weight else self._cast(node, dtype, cast_unless_weight, hit)
 
-    def _cast(self, node: fx.Node, dtype: torch.dtype) -> fx.Node:
-        cast = self.graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+    def _cast(self, node: fx.Node, dtype: torch.dtype, call: Any = None, first: fx.Node | None = None) -> fx.Node:
+        """A new cast node: ``_to_copy(node, dtype=dtype)``, or ``cast_unless_weight(node, first, dtype)``."""
+        if call is None:
+            cast = self.graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
+        else:
+            cast = self.graph.call_function(call, (node, first, dtype))
         with self.fake_mode, torch.no_grad():
             cast.meta["val"] = node.meta["val"].to(dtype)
-        self.note(cast)
+        self.note(cast, writes=False)  # (cast_unless_weight may return first: it aliases it, and writes nothing)
         return cast
 
     def _unwritten(self, node: fx.Node, since: fx.Node) -> bool:
@@ -182,6 +218,36 @@ class Casts:
         if ra is not rb:
             self._storage[ra] = rb
             self._written[rb] = max(self._written.pop(ra, 0), self._written.get(rb, 0))
+
+
+def writes_inputs(gm: fx.GraphModule) -> bool:
+    """Whether running ``gm`` may write one of its inputs: an op whose schema writes a placeholder or a tensor
+    sharing its storage (a view, an in-place result), or a call of anything that is no ATen op (but a higher-order
+    op whose own subgraphs write no input, and ``getitem``)."""
+    derived: set[fx.Node] = set()  # the nodes that may share an input's storage
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            derived.add(node)
+        elif node.op != "call_function":
+            continue
+        elif isinstance(node.target, torch._ops.OpOverload):
+            aliased, written = _schema_effects(node.target, node.args, node.kwargs)
+            if any(n in derived for n in written):
+                return True
+            if any(n in derived for n in aliased):
+                derived.add(node)
+        elif node.target is operator.getitem:
+            if node.args[0] in derived:
+                derived.add(node)
+        elif isinstance(node.target, torch._ops.HigherOrderOperator):
+            inner = [getattr(gm, n.target) for n in node.all_input_nodes if n.op == "get_attr"]
+            if any(n in derived for n in node.all_input_nodes if n.op != "get_attr"):
+                if not all(isinstance(g, fx.GraphModule) and not writes_inputs(g) for g in inner):
+                    return True
+                derived.add(node)
+        elif any(n in derived for n in node.all_input_nodes):
+            return True
+    return False
 
 
 _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)

@@ -15,10 +15,11 @@ copy; the HOP's value is then the rewritten subgraph's::
     wrap_with_set_grad_enabled(enabled, gm, *args)    gm on args
     invoke_subgraph(gm, identifier, *args)            gm on args, the identifier made the rewrite's own
     wrap_with_autocast(device, dtype, enabled, cache, gm, *args)
-                                                      a torch.autocast region in the graph: gm on args by that
-                                                      region's rules (torch's own table at its dtype, none
-                                                      where disabled), since it replaces the policy for its
-                                                      device as a nested torch.autocast replaces the outer one
+                                                      a torch.autocast region in the graph: gm on args by the
+                                                      policy at the region's dtype (a nested torch.autocast
+                                                      changes only the dtype in eager code), with no casts
+                                                      where the region is disabled; the region then runs
+                                                      disabled, its casts written out
     another HOP that holds a subgraph, or calls an op the policy lists: an error naming it
 """
 
@@ -33,7 +34,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from mixprec import _errors
-from mixprec.graph._casts import Casts
+from mixprec.graph._casts import Casts, writes_inputs
 from mixprec.graph._decompose import where
 
 
@@ -84,7 +85,8 @@ def call(
             rw.casts.note(new_args[i])
     new = graph.call_function(node.target, tuple(new_args), kwargs)  # type: ignore[arg-type]
     new.meta = {**node.meta, "val": value}
-    rw.casts.note(new)
+    inner = [str(arg.target) for arg in new_args if isinstance(arg, fx.Node) and arg.op == "get_attr"]
+    rw.casts.note(new, writes=any(writes_inputs(subgraphs[name]) for name in inner if name in subgraphs))
     return new
 
 
@@ -245,10 +247,13 @@ def _autocast(rw: Rewriter, node: fx.Node, args: list[Any], submodule: Any) -> t
                 )
                 + where(node)
             )
-    if rw.device_type is None or rw.device_type == device_type:
+    ours = rw.device_type is None or rw.device_type == device_type
+    if ours:
         rw = rw.under(device_type, dtype if dtype is not None else torch.get_autocast_dtype(device_type), enabled)
     sub, out = rw.module(gm, list(_values(args[5:])))
-    return [*args[:4], sub, *args[5:]], out
+    # the region's casts are the rewritten subgraph's own nodes now: it runs with autocast off, or torch's
+    # kernels would cast again by torch's table where the policy says otherwise
+    return [device_type, dtype, False if ours else enabled, args[3], sub, *args[5:]], out
 
 
 _RULES: dict[str, Rule] = {
