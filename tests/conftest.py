@@ -36,7 +36,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "Policies as mixprec kernels at the Autocast keys": ("test_kernels.py", "test_install.py", "test_module.py"),
     "C++ kernels (built against the release)": ("test_fastpath.py",),
     "torch.compile (aot_eager, inductor)": ("test_compile.py", "test_compiled.py", "test_patterns.py"),
-    "torch.export and FX": ("test_graph.py",),
+    "torch.export and FX": ("test_graph.py", "test_graph_differential.py"),
     "torch.autocast interplay, checkpointing": ("test_interop.py",),
     "Hugging Face Transformers, Lightning, Accelerate": ("test_frameworks.py", "test_models.py"),
     "GradScaler": (
@@ -55,8 +55,9 @@ FEATURES: dict[str, tuple[str, ...]] = {
 #: fp8_training), and the C++ kernels, built against each release's headers (fastpath).
 VERSION_SENSITIVE = (
     "test_compat.py", "test_compile.py", "test_compiled.py", "test_patterns.py", "test_graph.py",
-    "test_kernels.py", "test_install.py", "test_interop.py", "test_frameworks.py", "test_differential.py",
-    "test_cpu_opinfo.py", "test_fp8.py", "test_fp8_distributed.py", "test_fp8_training.py", "test_fastpath.py",
+    "test_graph_differential.py", "test_kernels.py", "test_install.py", "test_interop.py", "test_frameworks.py",
+    "test_differential.py", "test_cpu_opinfo.py", "test_fp8.py", "test_fp8_distributed.py", "test_fp8_training.py",
+    "test_fastpath.py",
 )
 #: In the OpInfo sample: every op torch autocasts on CPU, and this share of the others (by a stable hash).
 OPINFO_SAMPLE_ONE_IN = 6

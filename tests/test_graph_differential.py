@@ -266,10 +266,14 @@ def programs(draw: Any) -> Program:
         edits.append(edit)
     region = draw(st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16]))
     tracer = draw(st.sampled_from(["export", "export", "make_fx"]))
-    if tracer == "export" and region is torch.float16:
-        # A known limit (docs/graph_modes.md): an exported torch.autocast block of the region's own dtype is a
-        # subgraph of its own, whose weights' casts are not the ones made outside it as in eager code.
-        lines = [line.replace("dtype=torch.float16", "dtype=torch.bfloat16") for line in lines]
+    if tracer == "export":
+        # A known limit (docs/graph_modes.md): an exported torch.autocast block is a subgraph of its own, whose
+        # weights' casts are not shared with those made outside it (in the region, or in another block of its
+        # dtype) as eager code shares them: one block of a dtype other than the region's, the others disabled.
+        enabled = 'torch.autocast("cpu", dtype=torch.float16)'
+        blocks = [i for i, line in enumerate(lines) if enabled in line]
+        for i in blocks[1:] if region is not torch.float16 else blocks:
+            lines[i] = lines[i].replace(enabled, 'torch.autocast("cpu", enabled=False)')
     return Program(
         params=params,
         inputs=inputs,
@@ -380,6 +384,9 @@ W_RG = [("p0", "W", True)]
 EXAMPLES = [
     # An input that is a float32 leaf requiring grad, which two casts of one GEMM read: eager caches its cast.
     Program([], [F32], ["v0 = x0 @ x0"], ["v0"], BF16, [], "export", True, 0),
+    # The same through a .float() of it, which is the input itself.
+    Program([("p0", "W", False)], [F32], ["v0 = x0.float()", "v1 = torch.mm(v0, self.p0)",
+                                          "v2 = torch.mm(v0, self.p0)"], ["v2", "v1"], BF16, [], "export", True, 0),
     # Three gradients summed into v0, two through one mm's casts: eager's native kernel casts right to left.
     Program([], [F32], ["v0 = torch.sin(x0)", "v1 = torch.mm(v0, v0)", "v2 = torch.sigmoid(v0)"], ["v1", "v2"],
             BF16, [], "export", False, 0),
@@ -402,9 +409,16 @@ EXAMPLES = [
     Program([], [F32], ["v0 = torch.mm(x0, x0)", 'with torch.autocast("cpu", dtype=torch.float16):\n'
                         "    v1 = torch.softmax(v0, -1)"], ["v1"], BF16, [("fp32", ("softmax",))], "export", False, 0),
 ]
-EXAMPLE_IDS = ["input-leaf-used-twice", "cast-order-of-native-kernels", "make_fx-parameter-used-twice",
-               "make_fx-weight-cast-shared-with-nested-autocast", "make_fx-autocast-region", "hop-reading-an-input",
-               "policy-inside-a-nested-autocast"]
+EXAMPLE_IDS = [
+    "input-leaf-used-twice",
+    "float-of-an-input-leaf-used-twice",
+    "cast-order-of-native-kernels",
+    "make_fx-parameter-used-twice",
+    "make_fx-weight-cast-shared-with-nested-autocast",
+    "make_fx-autocast-region",
+    "hop-reading-an-input",
+    "policy-inside-a-nested-autocast",
+]
 
 
 @pytest.mark.parametrize("program", EXAMPLES, ids=EXAMPLE_IDS)

@@ -7,7 +7,8 @@ Algorithm for ``Casts.to(node, dtype, cached)``::
           and nothing wrote to src or node since node was made:
         node = src                            # a cast of a widened copy equals a cast of its source
     if node's dtype is dtype: return node     # also removes cast / cast-back pairs
-    if not cached or grad is off or node is neither a weight nor an input that may be one:
+    if not cached or grad is off or node (itself: through .to's to its own dtype) is neither a weight
+            nor an input that may be one:
         return new _to_copy(node, dtype=dtype)  # eager autocast's rule: it casts afresh at each use
     if cache holds (node, dtype) and nothing wrote to node or to that cast since the cast was made:
         return it if node is a weight, else new cast_unless_weight(node, it, dtype)
@@ -102,6 +103,18 @@ def may_be_weight(node: fx.Node) -> bool:
     return node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype is torch.float32
 
 
+def itself(node: fx.Node) -> fx.Node:
+    """The node whose tensor ``node`` is when it runs: through each ``.to``/``.float()`` (``aten.to.dtype``,
+    no ``copy=True``) to the dtype its source has, which returns the source itself."""
+    while node.op == "call_function" and node.target is aten.to.dtype:
+        source = node.args[0]
+        copies = node.args[3] if len(node.args) > 3 else node.kwargs.get("copy", False)
+        if copies or not isinstance(source, fx.Node) or dtype_of(source) is not dtype_of(node):
+            break
+        node = source
+    return node
+
+
 def is_weight(node: fx.Node) -> bool:
     """Whether ``node`` is a weight by eager autocast's test (``engine._cast.is_weight``), asked of its value:
     a float32 leaf that requires grad, not a view. ``_apply`` computes every value under no_grad, so only the
@@ -179,10 +192,11 @@ class Casts:
             node, source = source, cast_source(source)
         if dtype_of(node) is dtype:
             return node
-        weight = is_weight(node)
-        if not (cached and self.grad_enabled and (weight or may_be_weight(node))):
+        base = itself(node)  # (the tensor a weight's cache would know it by)
+        weight = is_weight(base)
+        if not (cached and self.grad_enabled and (weight or may_be_weight(base))):
             return self._cast(node, dtype)
-        key = (self.same.get(node, node), dtype)
+        key = (self.same.get(base, base), dtype)
         hit = self.cache.get(key)
         if hit is None or not (self._unwritten(node, since=hit) and self._unwritten(hit, since=hit)):
             hit = self.cache[key] = self._cast(node, dtype)
