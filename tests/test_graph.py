@@ -675,6 +675,34 @@ def test_a_block_that_reads_its_inputs_keeps_a_weights_cast(block, writes):
     _assert_bitwise(_grads(model, x, low), _grads(model, x, eager))
 
 
+@pytest.mark.parametrize("leaf", [False, True], ids=["view", "leaf"])
+def test_an_input_cast_twice_is_shared_where_it_is_a_weight_when_the_graph_runs(leaf):
+    # The trace cannot say whether x will be a leaf that requires grad (a weight, whose cast eager keeps): its
+    # second use reuses the first cast where it is, and casts afresh where not; compiled whole, the same.
+    class Square(torch.nn.Module):
+        def forward(self, x):
+            return x @ x
+
+    torch.manual_seed(0)
+    model, x = Square(), torch.randn(8, 8)
+    low = apply_policy(torch.export.export(model, (x,)).module(), mixprec.policies.CPU, BF16)
+    assert sum(1 for n in low.graph.nodes if is_cast(n)) == 2  # (one _to_copy, one cast_unless_weight)
+
+    def grad(run):
+        leaf_x = x.clone().requires_grad_()
+        out = run(leaf_x if leaf else leaf_x.view_as(leaf_x))
+        out.backward(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)).to(out.dtype))
+        return [out, leaf_x.grad]
+
+    def eager(inputs):
+        with mixprec.autocast("cpu", compute="native"):
+            return model(inputs)
+
+    expected = grad(eager)
+    _assert_bitwise(grad(low), expected)
+    _assert_bitwise(grad(torch.compile(low, backend="aot_eager", fullgraph=True)), expected)
+
+
 class _Widened(torch.nn.Module):
     """A float32 copy of a bf16 tensor, used once, by two mm's, by an mm and a float32 op, or twice by one mm."""
 

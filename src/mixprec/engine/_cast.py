@@ -226,6 +226,15 @@ def to(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if method is None else method(t)
 
 
+def is_weight_when_run(t: torch.Tensor) -> bool:
+    """``is_weight`` as a rewritten graph's code asks it of the tensor it gets (``graph._casts``): under dynamo,
+    which cannot trace ``Tensor._is_view``, a float32 leaf that requires grad (it cannot tell the one leaf view
+    that requires grad: ``w.detach().requires_grad_()``)."""
+    if _compat.tracing():
+        return t.dtype is _float32 and t.requires_grad and t.is_leaf
+    return is_weight(t)
+
+
 def is_weight(t: torch.Tensor) -> bool:
     """Whether autocast keeps ``t``'s casts for reuse (torch's cache rule): a float32 leaf that requires grad and
     is not a view. (``cast_call`` writes it out, the hot path; the graph pass asks it of a node's value.)"""

@@ -93,7 +93,7 @@ def cast_unless_weight(t: torch.Tensor, cast: torch.Tensor, dtype: torch.dtype) 
     """``cast`` (an earlier use's cast of ``t`` to ``dtype``) where ``t`` is a weight by eager autocast's test,
     whose cache would give that cast again; else a new cast of ``t``, as eager casts anything else at each use.
     The graph's later uses of an input that may be a weight when it runs call it (``Casts.to``)."""
-    return cast if _cast.is_weight(t) else _cast.to(t, dtype)
+    return cast if _cast.is_weight_when_run(t) else _cast.to(t, dtype)
 
 
 def may_be_weight(node: fx.Node) -> bool:
