@@ -675,6 +675,23 @@ def test_a_block_that_reads_its_inputs_keeps_a_weights_cast(block, writes):
     _assert_bitwise(_grads(model, x, low), _grads(model, x, eager))
 
 
+def test_a_region_by_calls_on_another_devices_tensors_is_refused_without_a_device_type():
+    # make_fx's CPU region around an mm of meta tensors: with no device_type the pass casts on every device, the
+    # region on the CPU alone; which rules the mm takes is ambiguous, so it is refused (as for export's HOP)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, m):
+        with torch.autocast("cpu", dtype=torch.float16):
+            return torch.mm(x, x), torch.mm(m, m)
+
+    gm = make_fx(f, pre_dispatch=True)(torch.randn(4, 4), torch.randn(4, 4, device="meta"))
+    with pytest.raises(NotImplementedError, match=r"region is for cpu and holds tensors on other devices.*meta"):
+        apply_policy(gm, mixprec.policies.CPU, BF16)
+    low = apply_policy(gm, mixprec.policies.CPU, BF16, device_type="cpu")  # the CPU's rules for CPU tensors
+    # (the meta mm keeps float32: a CPU region does not cast meta tensors, in eager code either)
+    assert [t.dtype for t in low(torch.randn(4, 4), torch.randn(4, 4, device="meta"))] == [torch.float16, torch.float32]
+
+
 @pytest.mark.parametrize("leaf", [False, True], ids=["view", "leaf"])
 def test_an_input_cast_twice_is_shared_where_it_is_a_weight_when_the_graph_runs(leaf):
     # The trace cannot say whether x will be a leaf that requires grad (a weight, whose cast eager keeps): its

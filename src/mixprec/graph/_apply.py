@@ -172,6 +172,8 @@ class _Rewrite:
             elif node.op in ("placeholder", "get_attr"):
                 val = node.meta["val"] if "val" in node.meta else _attr(gm, node.target)
                 new.meta["val"] = _refake(self.fake_mode, val)
+            elif node.op == "call_function" and (node.target in region_calls or node.target is set_grad):
+                new.meta["val"] = node.meta.get("val")  # (run at rewrite time, it would set the thread's state)
             elif node.op == "call_function":
                 new.meta["val"] = _fake_call(self.fake_mode, node.target, new.args, new.kwargs, node)
             self.casts.note(new)
@@ -200,23 +202,10 @@ class _Rewrite:
 
     def check_devices(self, node: fx.Node, inputs: Any) -> None:
         """Inside a region for one device where the pass casts on every device: a call on tensors of another
-        device would need both rules at once, which apply_policy refuses (as ``_subgraphs`` refuses such a
-        ``wrap_with_autocast``)."""
-        if self.region_device is None:
-            return
-        vals = [n.meta.get("val") for n in pytree.tree_leaves(inputs) if isinstance(n, fx.Node)]
-        others = {v.device.type for v in vals if isinstance(v, torch.Tensor)} - {self.region_device}
-        if others:
-            raise NotImplementedError(
-                _errors.message(
-                    "apply_policy cannot rewrite a torch.autocast region in the graph",
-                    f"the region is for {self.region_device} and holds tensors on other devices, and apply_policy "
-                    "was given no device_type: the region's rules apply to some tensors and the policy's to others",
-                    received={"devices": sorted(others)},
-                    fix=f"Pass device_type={self.region_device!r} to apply_policy.",
-                )
-                + _decompose.where(node)
-            )
+        device would need both rules at once, which apply_policy refuses (``_subgraphs.check_devices``)."""
+        if self.region_device is not None:
+            vals = [n.meta.get("val") for n in pytree.tree_leaves(inputs) if isinstance(n, fx.Node)]
+            _subgraphs.check_devices(self.region_device, vals, node)
 
     def eligible(self, value: Any) -> bool:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None

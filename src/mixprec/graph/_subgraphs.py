@@ -234,19 +234,7 @@ def _autocast(rw: Rewriter, node: fx.Node, args: list[Any], submodule: Any) -> t
     device_type, dtype, enabled = args[:3]
     gm = _sub(submodule, args[4])
     if rw.device_type is None:  # the pass casts on every device, the region on one: both apply where they mix
-        inside = [*_values(args[5:]), *(n.meta.get("val") for n in gm.graph.nodes)]
-        others = {v.device.type for v in pytree.tree_leaves(inside) if isinstance(v, torch.Tensor)} - {device_type}
-        if others:
-            raise NotImplementedError(
-                _errors.message(
-                    "apply_policy cannot rewrite a torch.autocast region in the graph",
-                    f"the region is for {device_type} and holds tensors on other devices, and apply_policy was "
-                    "given no device_type: the region's rules apply to some tensors and the policy's to others",
-                    received={"devices": sorted(others)},
-                    fix=f"Pass device_type={device_type!r} to apply_policy.",
-                )
-                + where(node)
-            )
+        check_devices(device_type, [*_values(args[5:]), *(n.meta.get("val") for n in gm.graph.nodes)], node)
     ours = rw.device_type is None or rw.device_type == device_type
     if ours:
         rw = rw.under(device_type, dtype if dtype is not None else torch.get_autocast_dtype(device_type), enabled)
@@ -254,6 +242,23 @@ def _autocast(rw: Rewriter, node: fx.Node, args: list[Any], submodule: Any) -> t
     # the region's casts are the rewritten subgraph's own nodes now: it runs with autocast off, or torch's
     # kernels would cast again by torch's table where the policy says otherwise
     return [device_type, dtype, False if ours else enabled, args[3], sub, *args[5:]], out
+
+
+def check_devices(device_type: str, values: Any, node: fx.Node) -> None:
+    """Refuse a ``torch.autocast`` region for ``device_type`` holding ``values`` on other devices, where the pass
+    casts on every device: the region's rules would apply to some tensors and the policy's to others."""
+    others = {v.device.type for v in pytree.tree_leaves(values) if isinstance(v, torch.Tensor)} - {device_type}
+    if others:
+        raise NotImplementedError(
+            _errors.message(
+                "apply_policy cannot rewrite a torch.autocast region in the graph",
+                f"the region is for {device_type} and holds tensors on other devices, and apply_policy was "
+                "given no device_type: the region's rules apply to some tensors and the policy's to others",
+                received={"devices": sorted(others)},
+                fix=f"Pass device_type={device_type!r} to apply_policy.",
+            )
+            + where(node)
+        )
 
 
 _RULES: dict[str, Rule] = {
