@@ -160,7 +160,8 @@ class _Rewrite:
                     self.casts.uses[new] = uses(node)
                     continue
             new = graph.node_copy(node, env.__getitem__)
-            if node.op == "call_function" and node.target is region_calls[0] and rw.entered(*node.args[:3]) is not rw:
+            inner = rw.entered(*node.args[:3]) if node.op == "call_function" and node.target is region_calls[0] else rw
+            if inner is not rw:
                 new.args = (*node.args[:2], False, *node.args[3:])  # its casts written out (``entered``)
             if node.op == "placeholder" and inputs is not None:
                 new.meta["val"] = next(inputs)
@@ -181,11 +182,10 @@ class _Rewrite:
             env[node] = new
             if node.op == "call_function" and node.target is set_grad and isinstance(node.args[0], bool):
                 self.casts.grad_enabled = node.args[0]
-            if node.op == "call_function" and node.target in region_calls:
-                if node.target is region_calls[0]:
-                    regions.append(rw.entered(*node.args[:3]))
-                elif len(regions) > 1:
-                    regions.pop()
+            if node.op == "call_function" and node.target is region_calls[0]:
+                regions.append(inner)
+            elif node.op == "call_function" and node.target is region_calls[1] and len(regions) > 1:
+                regions.pop()
         return subgraphs
 
     def entered(self, device_type: str, dtype: torch.dtype | None, enabled: bool) -> _Rewrite:

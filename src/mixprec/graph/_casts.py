@@ -201,14 +201,14 @@ class Casts:
         if hit is None or not (self._unwritten(node, since=hit) and self._unwritten(hit, since=hit)):
             hit = self.cache[key] = self._cast(node, dtype)
             return hit
-        return hit if weight else self._cast(node, dtype, cast_unless_weight, hit)
+        return hit if weight else self._cast(node, dtype, first=hit)
 
-    def _cast(self, node: fx.Node, dtype: torch.dtype, call: Any = None, first: fx.Node | None = None) -> fx.Node:
+    def _cast(self, node: fx.Node, dtype: torch.dtype, first: fx.Node | None = None) -> fx.Node:
         """A new cast node: ``_to_copy(node, dtype=dtype)``, or ``cast_unless_weight(node, first, dtype)``."""
-        if call is None:
+        if first is None:
             cast = self.graph.call_function(aten._to_copy.default, (node,), {"dtype": dtype})
         else:
-            cast = self.graph.call_function(call, (node, first, dtype))
+            cast = self.graph.call_function(cast_unless_weight, (node, first, dtype))
         with self.fake_mode, torch.no_grad():
             cast.meta["val"] = node.meta["val"].to(dtype)
         self.note(cast, writes=False)  # (cast_unless_weight may return first: it aliases it, and writes nothing)
