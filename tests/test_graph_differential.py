@@ -412,6 +412,10 @@ EXAMPLES = [
     # kernels read only the dtype from torch), and the block runs disabled, its casts written out.
     Program([], [F32], ["v0 = torch.mm(x0, x0)", 'with torch.autocast("cpu", dtype=torch.float16):\n'
                         "    v1 = torch.softmax(v0, -1)"], ["v1"], BF16, [("fp32", ("softmax",))], "export", False, 0),
+    # A weight read by an op the policy moves (mixprec's kernel: its own cache) and by a native one (torch's
+    # cache): eager casts it once for each cache, so its gradient sums two casts' parts.
+    Program(W_RG, [F32], ["v0 = torch.cat([x0, self.p0])[4:12]", "v1 = torch.mm(v0, self.p0)"], ["v1"], BF16,
+            [("lower_precision_fp", ("cat",))], "export", True, 0),
 ]
 EXAMPLE_IDS = [
     "input-leaf-used-twice",
@@ -422,6 +426,7 @@ EXAMPLE_IDS = [
     "make_fx-autocast-region",
     "hop-reading-an-input",
     "policy-inside-a-nested-autocast",
+    "weight-read-by-a-moved-op-and-a-native-one",
 ]
 
 

@@ -110,6 +110,7 @@ class _Rewrite:
         self._barren: set[Hashable] = set()
         self.casts = Casts(fx.Graph(), fake_mode)  # the graph being written (``module`` sets it)
         self.region_device: str | None = None  # inside a region entered by a call, where device_type is None
+        self._changed: dict[str, frozenset[Any]] = {}  # device type -> the ops the policy moves there
 
     def module(self, gm: fx.GraphModule, inputs: list[Any] | None) -> tuple[fx.GraphModule, Any]:
         """``gm`` rewritten (its placeholders holding ``inputs``, or the values they recorded), and the values
@@ -211,14 +212,29 @@ class _Rewrite:
         val = value.meta.get("val") if isinstance(value, fx.Node) else None
         return isinstance(val, torch.Tensor) and _plan.eligible(val.dtype, val.device.type, self.device_type)
 
-    def cast_all(self, inputs: tuple[tuple[Any, ...], dict[str, Any]], dtype: torch.dtype, cached: bool) -> Any:
-        """A call's eligible nodes cast to ``dtype``; weights' casts shared if ``cached`` (``Casts.to``). The casts
-        are written in the order eager's kernels make them (``_compat.native_casts_reversed``: the arguments last
-        to first, a list's tensors first to last), which is the order autograd sums their gradients in."""
+    def runs_as_native(self, target: Any, device: str | None) -> bool:
+        """Whether eager runs ``target`` on ``device`` as torch's own autocast kernel does: the policy leaves it
+        in torch's category there (not in ``_tables.effective``'s ``changed``, as ``_kernels`` decides), so
+        its weights' casts go through torch's cache, where an op the policy moves casts through mixprec's own
+        (``_cast.cache_for_call``): two caches, so a weight read by both kinds of op is cast once for each."""
+        if device is None or _tables.autocast_key(device) is None:
+            return False
+        changed = self._changed.get(device)
+        if changed is None:
+            changed = self._changed[device] = _tables.effective(self.policy, device)[1]
+        return target not in changed
+
+    def cast_all(
+        self, inputs: tuple[tuple[Any, ...], dict[str, Any]], dtype: torch.dtype, cached: bool, native: bool = False
+    ) -> Any:
+        """A call's eligible nodes cast to ``dtype``; weights' casts shared if ``cached``, in torch's cache if
+        ``native`` (``Casts.to``). The casts are written in the order eager's kernels make them
+        (``_compat.native_casts_reversed``: the arguments last to first, a list's tensors first to last), which
+        is the order autograd sums their gradients in."""
 
         def cast(value: Any) -> Any:
             return pytree.tree_map_only(
-                fx.Node, lambda n: self.casts.to(n, dtype, cached) if self.eligible(n) else n, value
+                fx.Node, lambda n: self.casts.to(n, dtype, cached, native) if self.eligible(n) else n, value
             )
 
         args, kwargs = inputs
@@ -356,7 +372,9 @@ class _Rewrite:
                 fields = _fp8.recipe_fields(self.policy.fp8_recipe)
                 return _fp8.scaled_call, (target, args, kwargs, device, plan.cast_to, fields), {}
         if plan.cast_to is not None:
-            return target, *self.cast_all((args, kwargs), plan.cast_to, _plan.keeps_weights(category))
+            device = self.device_type or (first.meta["val"].device.type if first is not None else None)
+            native = self.runs_as_native(target, device)
+            return target, *self.cast_all((args, kwargs), plan.cast_to, _plan.keeps_weights(category), native)
         if plan.dtype_arg is not None:
             return _rules.with_dtype_arg(target, args, kwargs, plan)
         return target, args, kwargs

@@ -1,6 +1,6 @@
 """Cast nodes: recognising them, and inserting them with no chains and no round trips.
 
-Algorithm for ``Casts.to(node, dtype, cached)``::
+Algorithm for ``Casts.to(node, dtype, cached, native)``::
 
     while node is a lossless widening cast of src (bf16->f32, f16->f32, ...)
           and this is node's one use in its graph
@@ -10,9 +10,9 @@ Algorithm for ``Casts.to(node, dtype, cached)``::
     if not cached or grad is off or node (itself: through .to's to its own dtype) is neither a weight
             nor an input that may be one:
         return new _to_copy(node, dtype=dtype)  # eager autocast's rule: it casts afresh at each use
-    if cache holds (node, dtype) and nothing wrote to node or to that cast since the cast was made:
+    if cache holds (node, dtype, native) and nothing wrote to node or to that cast since the cast was made:
         return it if node is a weight, else new cast_unless_weight(node, it, dtype)
-    return cache[(node, dtype)] = new _to_copy(node, dtype=dtype)
+    return cache[(node, dtype, native)] = new _to_copy(node, dtype=dtype)
 
 A widened copy represents its source exactly, so casting the source instead
 gives the same bits; narrowing casts round, so they are never skipped. Only a
@@ -30,6 +30,10 @@ by two ops sums their gradients in the cast's dtype before its backward, where
 two casts sum them in the source's dtype. So ``to`` shares a cast exactly where
 eager would (``cached`` is the target's, ``is_weight`` eager's test on the
 node's value: a parameter, which ``_apply`` records as a leaf requiring grad).
+Eager keeps two caches: torch's, for an op run as torch's own kernel runs it,
+and mixprec's, for an op the policy moves (``_cast.cache_for_call``); a weight
+read by both kinds of op is cast once in each, and so the pass keys its casts
+by the cache too (``native``).
 A graph input traced without ``requires_grad`` may yet be a weight when the
 graph runs (a leaf the caller made require grad, as a parameter that make_fx
 takes as an input): its later uses call ``cast_unless_weight``, which reuses
@@ -143,7 +147,7 @@ class Casts:
     def __init__(self, graph: fx.Graph, fake_mode: Any) -> None:
         self.graph = graph
         self.fake_mode = fake_mode
-        self.cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.cache: dict[tuple[fx.Node, torch.dtype, bool], fx.Node] = {}  # (weight, dtype, torch's cache?)
         self._tick = 0
         self._made: dict[fx.Node, int] = {}  # node -> when it was noted
         self._storage: dict[Any, Any] = {}  # union-find: node (or _INPUTS) -> a node sharing its storage
@@ -178,9 +182,9 @@ class Casts:
         for other in written:
             self._written[self._root(other)] = self._tick
 
-    def to(self, node: fx.Node, dtype: torch.dtype, cached: bool) -> fx.Node:
+    def to(self, node: fx.Node, dtype: torch.dtype, cached: bool, native: bool = False) -> fx.Node:
         """``node`` as ``dtype``: itself, an existing cast (a weight's, where ``cached``: the target format keeps
-        weights' casts), or one new cast node."""
+        weights' casts; from torch's cache if ``native``, else mixprec's), or one new cast node."""
         source = cast_source(node)
         while (
             source is not None
@@ -196,7 +200,7 @@ class Casts:
         weight = is_weight(base)
         if not (cached and self.grad_enabled and (weight or may_be_weight(base))):
             return self._cast(node, dtype)
-        key = (self.same.get(base, base), dtype)
+        key = (self.same.get(base, base), dtype, native)
         hit = self.cache.get(key)
         if hit is None or not (self._unwritten(node, since=hit) and self._unwritten(hit, since=hit)):
             hit = self.cache[key] = self._cast(node, dtype)
