@@ -216,8 +216,34 @@ def test_removed_cleanly():
     handle.remove()
     handle.remove()  # a second remove does nothing
     assert (dict(model[1]._forward_pre_hooks), dict(model[1]._forward_hooks)) == hooks_before
+    assert not {"forward", "_replicate_for_data_parallel"} & set(model[1].__dict__)
     with mixprec.autocast("cpu"):
         assert _dtypes(model, torch.randn(2, 8))["1.0"] is bf16
+
+
+@pytest.mark.parametrize("policy", ["fp32", CPU.with_ops(fp32=["linear"])], ids=["fp32", "policy"])
+def test_a_data_parallel_replica_runs_itself_under_the_policy(policy):
+    """``nn.DataParallel``'s ``replicate`` makes each replica by ``_replicate_for_data_parallel`` (a copy of the
+    module's ``__dict__``) and gives it its own parameters: the replica runs itself, under the policy, as a
+    replica of a module without one runs itself."""
+    x = torch.randn(2, 4)
+    model = nn.Linear(4, 4)
+    handle = mixprec.set_module_policy(model, policy)
+
+    def replicate(module: nn.Module, bias: float) -> nn.Module:  # as replicate() does, with other parameters
+        replica = module._replicate_for_data_parallel()
+        replica._parameters.update(weight=torch.zeros(4, 4), bias=torch.full((4,), bias))
+        return replica
+
+    replica = replicate(model, 1.0)
+    second = replicate(replica, 2.0)  # (a replica's replica)
+    expected = model(x)  # (float32: no region)
+    with mixprec.autocast("cpu"):
+        assert torch.equal(replica(x), torch.ones(2, 4)) and torch.equal(second(x), torch.full((2, 4), 2.0))
+        assert torch.equal(model(x), expected)
+    handle.remove()
+    with mixprec.autocast("cpu"):
+        assert model(x).dtype is bf16 and replicate(model, 1.0)(x).dtype is bf16
 
 
 class Boom(nn.Module):

@@ -184,6 +184,25 @@ class PolicyForward:
         return f"<forward of {type(self.module).__name__} under mixprec module policies [{names}]>"
 
 
+class _Replicate:
+    """A module's ``_replicate_for_data_parallel`` while it has a ``PolicyForward``: torch's, then the replica
+    gets a ``PolicyForward`` of its own. torch's copies the module's ``__dict__``, so the replica would
+    otherwise share the original's, which runs the original module (its parameters, on its device), not the
+    replica (``nn.DataParallel``'s ``replicate`` calls this on each module, each forward)."""
+
+    def __init__(self, forward: PolicyForward) -> None:
+        self.forward = forward
+
+    def __call__(self) -> torch.nn.Module:
+        original = self.forward
+        replica = type(original.module)._replicate_for_data_parallel(original.module)
+        own = PolicyForward(replica, original.inner)
+        own.policies = list(original.policies)
+        replica.__dict__["forward"] = own
+        replica.__dict__["_replicate_for_data_parallel"] = _Replicate(own)
+        return replica
+
+
 _FP32_FAILED = "failed under set_module_policy(module, 'fp32')"
 _DTYPE_WORDS = ("dtype", "scalar type", "BFloat16", "Half", "bfloat16", "float16")
 
@@ -230,6 +249,7 @@ class ModulePolicyHandle:
                 del module.__dict__["forward"]
             else:
                 module.__dict__["forward"] = forward.inner
+            module.__dict__.pop("_replicate_for_data_parallel", None)
 
     def __enter__(self) -> ModulePolicyHandle:
         return self
@@ -269,6 +289,9 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
     It wraps the module's ``forward`` (an instance attribute, taken off again by
     ``remove()``), so calls ``module(...)`` and ``module.forward(...)`` are
     covered, and the levels close on any exception, KeyboardInterrupt included.
+    ``nn.DataParallel``'s replicas keep the policy and run themselves; a shallow
+    ``copy.copy`` of the module shares the original's ``forward``, and so runs
+    the original (take a ``copy.deepcopy``, or set the policy on the copy).
     Arguments pass through as they are: ``"fp32"`` casts the tensors among them,
     also inside lists, tuples and dicts, and rebuilds no other object.
 
@@ -293,6 +316,7 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
     if not (isinstance(forward, PolicyForward) and forward.module is module):
         forward = PolicyForward(module, forward)
         module.__dict__["forward"] = forward
+        module.__dict__["_replicate_for_data_parallel"] = _Replicate(forward)
     token = object()
     forward.policies.append((token, policy))
     return ModulePolicyHandle(policy, forward, token)
