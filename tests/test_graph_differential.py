@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 from typing import Any
 
@@ -278,6 +279,14 @@ def programs(draw: Any) -> Program:
         blocks = [i for i, line in enumerate(lines) if enabled in line]
         for i in blocks[1:] if region is not torch.float16 else blocks:
             lines[i] = lines[i].replace(enabled, 'torch.autocast("cpu", enabled=False)')
+    leaf_inputs = draw(st.integers(0, 3)) > 0
+    if region is not torch.float16 and any('dtype=torch.float16' in line for line in lines):
+        # A known limit (docs/graph_modes.md): torch's cast cache is keyed by the weight alone, so eager code
+        # hands a weight's float16 cast made in the block to the region's later ops (and the region's cast to
+        # the block's); apply_policy casts each to its own dtype. No weight is read in such a block.
+        leaf_inputs = False
+        inside = {m for line in lines if "dtype=torch.float16" in line for m in re.findall(r"self\.(p\d+)", line)}
+        params = [(name, kind, grad and name not in inside) for name, kind, grad in params]
     return Program(
         params=params,
         inputs=inputs,
@@ -286,7 +295,7 @@ def programs(draw: Any) -> Program:
         region=region,
         edits=edits,
         tracer=tracer,
-        leaf_inputs=draw(st.integers(0, 3)) > 0,
+        leaf_inputs=leaf_inputs,
         seed=draw(st.integers(0, 2**16)),
     )
 
