@@ -397,8 +397,8 @@ def _scripted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_traced_or_scripted_graph_run_in_a_region_with_a_policy_gives_the_eager_results():
-    # TorchScript's own autocast pass (torch's lists) would cast ahead of mixprec's kernels; it is off while
-    # mixprec holds a region, and back afterwards.
+    # TorchScript's own autocast pass writes casts by torch's lists into the scripted graph; in a region with
+    # its own policy they pass the tensor through, and mixprec's kernels cast. The pass stays on throughout.
     torch.manual_seed(0)
     model, x = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).eval(), torch.randn(4, 16)
     w = torch.randn(16, 16)
@@ -412,4 +412,50 @@ def test_a_traced_or_scripted_graph_run_in_a_region_with_a_policy_gives_the_eage
     assert eager.dtype is F32 and torch.equal(inside, eager) and torch.equal(traced(x), eager)
     assert all(s.dtype is F32 and torch.equal(s, eager_scripted) for s in scripted)
     before = torch._C._jit_set_autocast_mode(True)
-    assert before is True  # back on outside the region
+    assert before is True  # (never turned off)
+
+
+@torch.jit.script
+def _scripted_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.linear(x, w)
+
+
+def test_a_scripted_graph_optimised_under_torch_autocast_then_run_in_a_region_with_a_policy():
+    """The profiling executor keeps the graph it optimised under ``torch.autocast``, casts by torch's lists
+    included (``_autocast_to_reduced_precision``): run later in a region whose policy keeps linear in float32,
+    those casts pass the tensor through, so its result is eager's, not float32 rounded through bfloat16."""
+    engine.reset()
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 16), torch.randn(16, 16)
+    with torch.autocast("cpu"):
+        native = [_scripted_linear(x, w) for _ in range(3)]  # (the executor's profiling runs, then its plan)
+    with mixprec.autocast("cpu", policy=MM_FP32, compute="native"):
+        got, eager = _scripted_linear(x, w), torch.nn.functional.linear(x, w)
+    assert all(n.dtype is BF16 for n in native) and eager.dtype is F32
+    assert torch.equal(got, eager)
+    with torch.autocast("cpu"):
+        assert torch.equal(_scripted_linear(x, w), native[0])  # torch's casts again in a plain region
+
+
+@torch.jit.script
+def _scripted_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.mm(x, w)
+    return y
+
+
+@pytest.mark.parametrize("policy", [None, MM_FP32], ids=["default", "policy"])
+def test_a_torch_autocast_block_in_scripted_code_works_under_a_disabled_region_and_after(policy):
+    """A scripted function's own ``torch.autocast`` block is TorchScript's pass's work: first run inside a
+    disabled region nested in a mixprec region, it gives bfloat16, as under ``torch.autocast``, and so it does
+    once every region has closed (the executor keeps the graph its first runs made)."""
+    engine.reset()
+
+    @torch.jit.script
+    def scripted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _scripted_block(x, w)
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with mixprec.autocast("cpu", policy=policy, compute="native"), mixprec.autocast("cpu", enabled=False):
+        inside = [scripted(x, w).dtype for _ in range(3)]
+    assert inside == [BF16] * 3 and [scripted(x, w).dtype for _ in range(2)] == [BF16] * 2

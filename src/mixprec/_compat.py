@@ -207,12 +207,6 @@ def skip_code(code: types.CodeType) -> None:
     skip(code)
 
 
-def set_jit_autocast_pass(on: bool) -> bool:
-    """Turn TorchScript's own autocast pass (process-wide) on or off; the previous value is returned:
-    ``torch._C._jit_set_autocast_mode``, every supported release."""
-    return bool(torch._C._jit_set_autocast_mode(on))
-
-
 def without_dynamo(function: Any) -> Any:
     """``function`` with dynamo off for every frame it calls: ``torch.compiler.disable(recursive=True)``, every
     supported release. (A frame that dynamo runs eagerly still has dynamo compile the frames it calls.) Without

@@ -114,6 +114,8 @@ def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
                 fast |= _fastpath.attach(op, key, device_type)  # the C++ kernel on top of it
             done.add(op)
             grew = True
+        if grew and key not in _jit_keys:
+            _register_jit_casts(key, device_type)
         if grew:
             _state.set_kernels_registered(True)  # regions of the default policy must set their setting now
             _cast.follow_torch(True)  # the kernels cache as torch does in plain regions: clear with torch
@@ -142,6 +144,7 @@ def reset() -> None:
             _compat.destroy_library(library)
         _libraries.clear()
         _registered.clear()
+        _jit_keys.clear()
         _ensured.clear()
         _state.set_kernels_registered(False)
         _cast.follow_torch(False)
@@ -219,6 +222,47 @@ def _setting_table(setting: _state.Setting) -> Any:
     if made is None or made[0] != _fastpath.count():
         made = setting.derived["fast"] = (_fastpath.count(), _fastpath.table(entries(setting)))
     return made[1]
+
+
+#: The casts TorchScript's own autocast pass writes into a scripted graph, by torch's lists, as it optimises
+#: the graph (from the eager autocast state then, and the graph's own ``with torch.autocast`` blocks).
+_JIT_CASTS = ("_autocast_to_reduced_precision", "_autocast_to_full_precision")
+_jit_keys: set[str] = set()  # the Autocast keys where mixprec's kernels for them are registered
+
+
+def _register_jit_casts(key: str, device_type: str) -> None:
+    """Give TorchScript's casts a kernel at ``key`` (with the first mixprec kernels there, under ``_lock``)."""
+    library = _libraries.get("aten")
+    if library is None:
+        library = _libraries["aten"] = torch.library.Library("aten", "IMPL")
+    for name in _JIT_CASTS:
+        op = getattr(torch.ops.aten, name).default
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*previously registered kernel.*")
+            _compat.register_kernel(library, name, _jit_cast_kernel(op, device_type, key), key)
+    _jit_keys.add(key)
+
+
+def _jit_cast_kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
+    """A cast TorchScript's autocast pass wrote: where mixprec's rules are in force for the call (the thread's
+    region has its own policy or compute, or ``mixprec.install`` puts a setting in force), the tensor as it
+    is, since the op it feeds has mixprec's kernel, which casts by the policy (torch's cast ahead of it would
+    round a tensor the policy keeps in float32); elsewhere torch's cast. So TorchScript's pass stays on, and
+    a scripted graph optimised in one kind of region runs right in the other."""
+    after = _compat.keyset_after(_compat.dispatch_key(key))
+    state = _state.get()
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if state.active.get(device_type) is not None or (
+            _install.current is not None
+            and _install.installed_setting(device_type, state.module_policies[-1] if state.module_policies else None)
+            is not None
+        ):
+            return args[0]
+        return op.redispatch(keyset & after, *args, **kwargs)
+
+    kernel.__name__ = f"mixprec_autocast_{op.overloadpacket.__name__}"
+    return kernel
 
 
 def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:

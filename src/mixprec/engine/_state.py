@@ -149,21 +149,13 @@ _state = ThreadState()
 
 
 _holding = threading.Lock()  # (taken as a thread starts or stops holding: once per outermost region)
-_jit_pass: list[bool] = []  # TorchScript's own autocast pass as it was before the first holder turned it off
 
 
 def hold(state: ThreadState) -> None:
-    """``state``'s thread holds mixprec state (it opened a level, set a setting or entered a module policy).
-
-    While any thread holds some, TorchScript's own autocast pass is off: it would insert casts by torch's
-    lists into a traced or scripted graph run in a region, ahead of mixprec's kernels (which do the casting at
-    the Autocast keys, as they do for every op); it comes back as the last holder lets go.
-    """
+    """``state``'s thread holds mixprec state (it opened a level, set a setting or entered a module policy)."""
     if state.ident in holders:
         return
     with _holding:
-        if not holders:
-            _jit_pass.append(_compat.set_jit_autocast_pass(False))
         holders.add(state.ident)
 
 
@@ -172,8 +164,6 @@ def release(state: ThreadState) -> None:
     if not state.frames and not state.active and not state.module_policies and state.ident in holders:
         with _holding:
             holders.discard(state.ident)
-            if not holders and _jit_pass:
-                _compat.set_jit_autocast_pass(_jit_pass.pop())
 
 
 def get() -> ThreadState:
