@@ -48,7 +48,14 @@ Writes: every node added to the graph is ``note``d in order. A node joins the
 storage of the arguments its op's schema annotates (a view, an in-place op's
 result, an ``out=``), and an argument annotated ``!`` is written, with all that
 shares its storage: its base and the base's other views. The graph's inputs
-(placeholders, attributes) may alias one another, so they share one storage. A
+(placeholders) may alias one another and any attribute, so they share one
+storage, and a write to one is a write to every attribute. An attribute read as
+a real tensor (a parameter, a buffer: ``storages``) has its own, so a write to
+one (a BatchNorm's running statistics) reaches the attributes sharing its
+storage, and leaves other weights' casts standing, as in eager. (An input that
+is such an attribute, written so, keeps its cast: where it is a weight, torch's
+own cache keeps a stale cast too, and where not, ``cast_unless_weight`` casts
+it again.) A
 call that is no ATen op (a higher-order op, a Python function) may alias and
 write every tensor it is given, but a higher-order op whose subgraphs write none
 of their inputs (``writes_inputs``: a ``no_grad`` or ``torch.autocast`` block that
@@ -150,23 +157,36 @@ class Casts:
         self.cache: dict[tuple[fx.Node, torch.dtype, bool], fx.Node] = {}  # (weight, dtype, torch's cache?)
         self._tick = 0
         self._made: dict[fx.Node, int] = {}  # node -> when it was noted
-        self._storage: dict[Any, Any] = {}  # union-find: node (or _INPUTS) -> a node sharing its storage
+        self._storage: dict[Any, Any] = {}  # union-find: node (or _INPUTS, a storage) -> one sharing its storage
         self._written: dict[Any, int] = {}  # a storage's root -> when it was last written
+        self.storages: dict[fx.Node, Any] = {}  # a get_attr node reading a real tensor -> its storage (``note``)
+        self._attributes: set[Any] = set()  # the roots holding an attribute's storage
+        self._inputs_written = 0  # when a graph input (which may be any attribute too) was last written
         self.uses: dict[fx.Node, int] = {}  # a node -> how many times its original's value is used
         self.same: dict[fx.Node, fx.Node] = {}  # a get_attr node -> the first reading the same tensor
         self.grad_enabled = True  # False after a make_fx graph's _set_grad_enabled(False): nothing is kept
 
-    def note(self, node: fx.Node, effects: tuple[Any, ...] | None = None, writes: bool = True) -> None:
+    def note(
+        self,
+        node: fx.Node,
+        effects: tuple[Any, ...] | None = None,
+        writes: bool | list[fx.Node] = True,
+        aliases: list[fx.Node] | None = None,
+    ) -> None:
         """Record ``node``, just added to the graph: its storage and its writes. ``effects``: (target, args,
         kwargs) whose schema says them, where the node calls something else for an op (``_fp8.scaled_call``).
-        ``writes``: False for a call that is no ATen op but is known to write none of its arguments (a
-        higher-order op whose subgraphs write no input: ``writes_inputs``)."""
+        For a call that is no ATen op, ``writes``: the arguments it may write, where known (a higher-order op
+        whose subgraph writes those inputs alone: ``input_effects``), True: any, False: none; ``aliases``: the
+        arguments its value may share storage with, where known (None: any)."""
         self._tick += 1
         self._made[node] = self._tick
         target, args, kwargs = effects if effects is not None else (node.target, node.args, node.kwargs)
         aliased: list[Any]
         written: list[fx.Node]
-        if node.op in ("placeholder", "get_attr"):
+        if node.op == "get_attr" and node in self.storages:
+            aliased, written = [self.storages[node]], []
+            self._attributes.add(self._root(self.storages[node]))
+        elif node.op in ("placeholder", "get_attr"):
             aliased, written = [_INPUTS], []
         elif node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
             aliased, written = _schema_effects(target, args, kwargs)
@@ -175,12 +195,16 @@ class Casts:
         elif node.op == "output":
             aliased, written = [], []
         else:
-            aliased = _tensors((args, kwargs))
-            written = aliased if writes else []
+            aliased = _tensors((args, kwargs)) if aliases is None else _tensors(aliases)
+            written = _tensors((args, kwargs)) if writes is True else _tensors(writes) if writes else []
         for other in aliased:
             self._union(node, other)
+        inputs = self._root(_INPUTS)
         for other in written:
-            self._written[self._root(other)] = self._tick
+            root = self._root(other)
+            self._written[root] = self._tick
+            if root is inputs:  # an input may be any attribute
+                self._inputs_written = self._tick
 
     def to(self, node: fx.Node, dtype: torch.dtype, cached: bool, native: bool = False) -> fx.Node:
         """``node`` as ``dtype``: itself, an existing cast (a weight's, where ``cached``: the target format keeps
@@ -220,8 +244,11 @@ class Casts:
 
     def _unwritten(self, node: fx.Node, since: fx.Node) -> bool:
         """Whether nothing wrote to ``node``'s storage after ``since`` was noted."""
-        last = self._written.get(self._root(node))
-        return last is None or last < self._made.get(since, 0)
+        root = self._root(node)
+        last = self._written.get(root, 0)
+        if root in self._attributes:
+            last = max(last, self._inputs_written)
+        return last < self._made.get(since, 0)
 
     def _root(self, node: Any) -> Any:
         parent = self._storage.get(node, node)
@@ -236,41 +263,59 @@ class Casts:
         if ra is not rb:
             self._storage[ra] = rb
             self._written[rb] = max(self._written.pop(ra, 0), self._written.get(rb, 0))
+            if ra in self._attributes:
+                self._attributes.discard(ra)
+                self._attributes.add(rb)
 
 
 def writes_inputs(gm: fx.GraphModule) -> bool:
-    """Whether running ``gm`` may write one of its inputs: an op whose schema writes a placeholder or a tensor
-    sharing its storage (a view, an in-place result), or a call of anything that is no ATen op (but a higher-order
-    op whose own subgraphs write no input, and ``getitem``)."""
-    derived: set[fx.Node] = set()  # the nodes that may share an input's storage
+    """Whether running ``gm`` may write one of its inputs (``input_effects``)."""
+    effects = input_effects(gm)
+    return effects is None or bool(effects[1])
+
+
+def input_effects(gm: fx.GraphModule) -> tuple[frozenset[int], frozenset[int]] | None:
+    """The positions of ``gm``'s placeholders whose storage its outputs may share, and of those whose storage
+    running it may write: through an op whose schema writes a placeholder or a tensor sharing its storage (a
+    view, an in-place result). None where a call of anything that is no ATen op (but a higher-order op whose own
+    subgraphs write no input, and ``getitem``) gets one: it may alias and write any."""
+    derived: dict[fx.Node, frozenset[int]] = {}  # a node that may share inputs' storage -> their positions
+    written: set[int] = set()
+    shared_out: set[int] = set()
+    position = 0
     for node in gm.graph.nodes:
         if node.op == "placeholder":
-            derived.add(node)
+            derived[node] = frozenset((position,))
+            position += 1
+        elif node.op == "output":
+            shared_out.update(*(derived[n] for n in _tensors(node.args) if n in derived))
         elif node.op != "call_function":
             continue
         elif isinstance(node.target, torch._ops.OpOverload):
-            aliased, written = _schema_effects(node.target, node.args, node.kwargs)
-            if any(n in derived for n in written):
-                return True
-            if any(n in derived for n in aliased):
-                derived.add(node)
+            aliased, writes = _schema_effects(node.target, node.args, node.kwargs)
+            written.update(*(derived[n] for n in writes if n in derived))
+            shared = [derived[n] for n in aliased if n in derived]
+            if shared:
+                derived[node] = frozenset().union(*shared)
         elif node.target is operator.getitem:
             if node.args[0] in derived:
-                derived.add(node)
+                derived[node] = derived[node.args[0]]
         elif isinstance(node.target, torch._ops.HigherOrderOperator):
             inner = [getattr(gm, n.target) for n in node.all_input_nodes if n.op == "get_attr"]
-            if any(n in derived for n in node.all_input_nodes if n.op != "get_attr"):
+            shared = [derived[n] for n in node.all_input_nodes if n.op != "get_attr" and n in derived]
+            if shared:
                 if not all(isinstance(g, fx.GraphModule) and not writes_inputs(g) for g in inner):
-                    return True
-                derived.add(node)
+                    return None
+                derived[node] = frozenset().union(*shared)
         elif any(n in derived for n in node.all_input_nodes):
-            return True
-    return False
+            return None
+    return frozenset(shared_out), frozenset(written)
 
 
 _SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
 
-#: The storage all the graph's inputs share: two of them may be the same tensor, or views of one.
+#: The storage all the graph's inputs share: two of them may be the same tensor, or views of one, or of an
+#: attribute. An attribute the pass has as a real tensor has its own storage (``Casts.storages``).
 _INPUTS = object()
 
 

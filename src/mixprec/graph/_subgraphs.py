@@ -34,7 +34,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from mixprec import _errors
-from mixprec.graph._casts import Casts, writes_inputs
+from mixprec.graph._casts import Casts, input_effects, writes_inputs
 from mixprec.graph._decompose import where
 
 
@@ -85,9 +85,20 @@ def call(
             rw.casts.note(new_args[i])
     new = graph.call_function(node.target, tuple(new_args), kwargs)  # type: ignore[arg-type]
     new.meta = {**node.meta, "val": value}
-    inner = [str(arg.target) for arg in new_args if isinstance(arg, fx.Node) and arg.op == "get_attr"]
-    rw.casts.note(new, writes=any(writes_inputs(subgraphs[name]) for name in inner if name in subgraphs))
+    inner = [subgraphs[str(a.target)] for a in new_args if isinstance(a, fx.Node) and str(a.target) in subgraphs]
+    first = _OPERANDS.get(getattr(node.target, "__name__", ""))
+    effects = input_effects(inner[0]) if first is not None and len(inner) == 1 else None
+    if effects is None:
+        rw.casts.note(new, writes=any(writes_inputs(g) for g in inner))
+    else:  # what its one subgraph aliases and writes, by its arguments
+        operands = new_args[first:]
+        shared, written = ([operands[i] for i in sorted(positions) if i < len(operands)] for positions in effects)
+        rw.casts.note(new, writes=written, aliases=shared)
     return new
+
+
+#: The HOPs that call one subgraph on their arguments from a position on: (name, that position).
+_OPERANDS = {"wrap_with_set_grad_enabled": 2, "invoke_subgraph": 2, "wrap_with_autocast": 5}
 
 
 def attribute(gm: fx.GraphModule, target: Any) -> Any:
