@@ -463,6 +463,68 @@ def test_inputs_outside_autocast_eligibility_run_unchanged() -> None:
     assert no_grad_out.dtype is torch.bfloat16
 
 
+@pytest.mark.parametrize("op", ["mm", "linear", "conv1d", "matmul"])
+def test_an_integer_operand_of_a_product_is_refused_as_natively(op: str) -> None:
+    # The written-out kernels would round an integer tensor to the low dtype and run; native refuses the mix.
+    calls = {
+        "mm": lambda a, b: torch.mm(a, b),
+        "linear": lambda a, b: F.linear(a, b),
+        "conv1d": lambda a, b: F.conv1d(a.reshape(1, 3, 3), b.reshape(3, 3, 1)),
+        "matmul": lambda a, b: torch.matmul(a, b),
+    }
+    a, b = torch.ones(3, 3, dtype=torch.long), torch.randn(3, 3)
+    errors = []
+    for region in (torch.autocast("cpu"), mixprec.autocast("cpu", compute="emulated")):
+        with pytest.raises(RuntimeError) as error, region:
+            calls[op](a, b)
+        errors.append(type(error.value))
+    assert errors[0] is errors[1]
+
+
+def test_a_linear_with_a_one_dimensional_weight_trains_emulated() -> None:
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 7), torch.randn(7)
+    results = []
+    for region in (torch.autocast("cpu"), mixprec.autocast("cpu", compute="emulated")):
+        xs, ws = (t.clone().requires_grad_() for t in (x, w))
+        with region:
+            y = F.linear(xs, ws)
+        y.float().sum().backward()
+        results.append((y, xs.grad, ws.grad))
+    for native, emulated in zip(*results, strict=True):
+        assert native.dtype is emulated.dtype and native.shape == emulated.shape
+        torch.testing.assert_close(emulated, native, rtol=2e-2, atol=2e-2)
+
+
+DOUBLE_BACKWARD = {
+    "prelu": (lambda x, w: F.prelu(x, w.reshape(-1)[:1]), (64, 8), (8, 8)),
+    "sdpa": (lambda x, w: F.scaled_dot_product_attention(x[None], (x @ w)[None], x[None])[0], (16, 8), (8, 8)),
+    "conv_same": (lambda x, w: F.conv1d(x[None], w[:, :, None].expand(8, 8, 3), padding="same")[0], (8, 16), (8, 8)),
+}
+
+
+@pytest.mark.parametrize("op", DOUBLE_BACKWARD)
+def test_a_double_backward_through_a_recomputed_op_follows_native(op: str) -> None:
+    # A gradient penalty (create_graph=True) through an op emulated by recomputation: its backward is itself
+    # differentiable, so the weight's second-order term is there (it was None, or lost 10-40%).
+    fn, x_shape, w_shape = DOUBLE_BACKWARD[op]
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(*x_shape), torch.randn(*w_shape) * 0.3
+    found = {}
+    for compute in ("fp32", "native", "emulated"):
+        x, w = x0.clone().requires_grad_(), torch.nn.Parameter(w0.clone())
+        region = torch.autocast("cpu", enabled=False) if compute == "fp32" else mixprec.autocast("cpu", compute=compute)
+        with region:
+            out = (fn(x, w).float() ** 2).sum()
+        gx, = torch.autograd.grad(out, x, create_graph=True)
+        (gx**2).sum().backward()
+        found[compute] = w.grad
+    assert found["emulated"] is not None and found["emulated"].dtype is torch.float32
+    scale = found["fp32"].norm()
+    # emulated is float32 compute between bf16 roundings: as close to float32 as native is, or closer
+    assert (found["emulated"] - found["fp32"]).norm() <= max(2 * (found["native"] - found["fp32"]).norm(), 0.02 * scale)
+
+
 def test_parameter_modified_in_place_before_backward_raises() -> None:
     layer = torch.nn.Linear(4, 4)
     with mixprec.autocast("cpu", compute="emulated"):

@@ -24,7 +24,8 @@ Matrix products (mm, addmm, bmm, baddbmm, matmul, linear) and convolutions
 ``lower_precision_fp`` op (scaled_dot_product_attention, RNN cells, nn.LSTM /
 nn.GRU, ...) goes through ``_Recompute``: it saves the low-precision inputs and
 the random-number state, and its backward recomputes the op in float32 from
-them, then differentiates that. A composite (lstm, multi_dot) is rounded at its
+them, then differentiates that (from the saved inputs themselves under
+``create_graph``, so a double backward keeps its second-order terms). A composite (lstm, multi_dot) is rounded at its
 boundary only, not between the steps it makes inside.
 
 Saving the parameter rather than its low-precision copy holds no extra memory
@@ -114,13 +115,19 @@ def target(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
     return low
 
 
-def _all_low(tensors: Iterator[Any], low: torch.dtype) -> bool:
+def _all_low(tensors: Iterator[Any], low: torch.dtype, others: bool = True) -> bool:
+    """Whether the call's floating tensors are all in ``low`` (and there is one); ``others``: whether tensors of
+    other kinds (integer, bool) may be among them, as an RNN's batch sizes are (a matrix product's kernel would
+    round them to ``low`` and run, where native refuses the mix)."""
     seen = False
     for t in tensors:
-        if isinstance(t, _Tensor) and (t.is_floating_point() or t.is_complex()):
-            if t.dtype is not low:
+        if isinstance(t, _Tensor):
+            if t.is_floating_point() or t.is_complex():
+                if t.dtype is not low:
+                    return False
+                seen = True
+            elif not others:
                 return False
-            seen = True
     return seen
 
 
@@ -204,8 +211,13 @@ class _Recompute(torch.autograd.Function):
     def backward(ctx: Any, *grads: Any) -> Any:
         low, saved = ctx.low, ctx.saved_tensors
         needs = ctx.needs_input_grad[4:]
+        # A double backward (create_graph) differentiates the gradients: the recompute then starts from the
+        # saved inputs themselves (their upcast, or a parameter's rounding, is differentiable), not from
+        # copies cut off from the graph, whose second-order terms would be lost.
+        second = torch.is_grad_enabled()
         inputs = [
-            _emulate_kernels.r32(t, low).detach().requires_grad_(need) if _is_low(t, low) else t
+            (_emulate_kernels.r32(t, low) if second and t.requires_grad else
+             _emulate_kernels.r32(t, low).detach().requires_grad_(need)) if _is_low(t, low) else t
             for t, need in zip(saved, needs, strict=True)
         ]
         with torch.random.fork_rng(devices=ctx.devices), paused(), torch.enable_grad():
@@ -292,7 +304,7 @@ def _eager(low: torch.dtype, func: torch._ops.OpOverload, cast: tuple[Any, Any],
     if found is None:
         return _generic(low, func, (args, kwargs), original)
     kernel, params, tensors = found
-    if not _all_low(iter(tensors), low):
+    if not _all_low(iter(tensors), low, others=False):
         return func(*args, **kwargs)
     if not _needs_graph(tensors):
         return kernel.forward(params, low, *tensors)

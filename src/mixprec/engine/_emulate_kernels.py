@@ -268,6 +268,8 @@ def _matmul(input: Any, other: Any) -> Bound:
 
 
 def _linear(input: Any, weight: Any, bias: Any = None) -> Bound:
+    if not isinstance(weight, Tensor) or weight.dim() != 2:  # (a 1-D weight: recomputed instead)
+        return None, ()
     return ("linear", 1, 1), (bias, input, weight)
 
 
