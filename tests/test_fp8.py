@@ -171,11 +171,42 @@ def test_error_against_float32_is_fp8s():
         ({"eps": float("inf")}, "eps"),
         ({"forward": "bfloat16"}, "forward"),
         ({"backward": "float8_e4m3fnuz"}, "backward"),
+        ({"forward": "float8_e5m2"}, "at most one e5m2"),  # its gradient GEMMs would take two (CUDA refuses)
+        ({"eps": 1e-37}, "finite float32"),  # 448 / eps overflows: a zero tensor would give NaN
     ],
 )
 def test_bad_recipes_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Fp8Recipe(**kwargs)
+
+
+def test_the_smallest_eps_accepted_keeps_a_zero_tensor_finite():
+    smallest = 57344.0 / torch.finfo(torch.float32).max
+    recipe = Fp8Recipe(eps=smallest * 1.001)
+    x, w = torch.zeros(16, 32, requires_grad=True), torch.nn.Parameter(torch.randn(16, 32))
+    with _region(policy=FP8.with_fp8_recipe(eps=recipe.eps)):
+        out = torch.nn.functional.linear(x, w)
+    out.float().sum().backward()
+    assert torch.equal(out.float(), torch.zeros(16, 16)) and bool(w.grad.isfinite().all())
+
+
+def test_two_e5m2_operands_are_refused_as_cuda_refuses_them():
+    a, b = torch.zeros(16, 16, dtype=torch.float8_e5m2), torch.zeros(16, 16, dtype=torch.float8_e5m2).t()
+    one = torch.ones(())
+    with pytest.raises(RuntimeError, match="two e5m2 operands"):
+        _fp8.scaled_mm(a, one, b, one, torch.bfloat16)
+
+
+def test_a_double_backward_through_an_fp8_gemm_raises_instead_of_dropping_terms():
+    """fp8's GEMMs take quantised copies, which have no second derivative: a gradient penalty through one
+    raises (it was silently zero); a first-order backward with create_graph still runs."""
+    x, w = torch.randn(16, 32, requires_grad=True), torch.nn.Parameter(torch.randn(16, 32))
+    with _region(policy=FP8):
+        out = torch.tanh(torch.nn.functional.linear(x, w)).float().sum()
+    gx, = torch.autograd.grad(out, x, create_graph=True)
+    assert gx.requires_grad
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        (gx**2).sum().backward()
 
 
 def test_a_weight_is_quantised_once_per_step_and_again_after_the_optimizer_moves_it(monkeypatch):
@@ -1012,10 +1043,24 @@ def test_the_doctor_shows_saturation_under_delayed_scaling(tmp_path):
     report = diagnostics.diagnose((net, (x,), loss_fn), "cpu", torch.bfloat16, policy)
     first = next(r for r in report.rows if r.fp8_format is not None)
     top = torch.finfo(E4M3).max
-    beyond = (x.abs() * top / (0.01 * x.abs().max()) > top * 1.0625).sum()  # the inputs are 100x the history's
+    beyond = (x.abs() * top / (0.01 * x.abs().max()) > top + 16).sum()  # (half e4m3's ulp at 448: 16)
     assert first.fp8_saturated == pytest.approx(float(beyond) / (x.numel() + net[0].weight.numel()))
     assert first.fp8_saturated > 0.3
     engine.reset()
+
+
+@pytest.mark.parametrize(("fmt", "values", "saturated"), [
+    (E4M3, [448.0, 464.0, 465.0, 470.0], 0.5),  # 448 + half its ulp (16): a tie rounds back to 448
+    (E5M2, [57344.0, 61440.0, 61441.0, 63168.0], 0.5),  # 57344 + half its ulp (4096)
+])
+def test_the_doctor_counts_as_saturated_what_rounds_past_the_formats_largest_value(fmt, values, saturated):
+    """Just past the largest value, by less than half its ulp, a value still rounds to it; beyond, only the clamp
+    keeps it finite (it was counted from max * (1 + eps / 2): 476 and 64512, missing the band in between)."""
+    from mixprec.diagnostics import _recorder
+
+    high = torch.tensor(values)
+    low = high.clamp(max=torch.finfo(fmt).max).to(fmt)
+    assert _recorder._lost_to_fp8([(high, low, torch.ones(()))]) == (saturated, 0.0)
 
 
 def test_the_doctor_command_prints_the_fp8_call_sites_and_writes_them(capsys, tmp_path):

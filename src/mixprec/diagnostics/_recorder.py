@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import sys
 from collections import Counter
@@ -98,7 +99,7 @@ def _lost_to_fp8(pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -
     counts, total = [0.0, 0.0], 0
     for high, low, inverse in pairs:
         info = torch.finfo(low.dtype)
-        beyond = info.max * (1 + info.eps / 2)
+        beyond = info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2  # max + half its ulp
         high = high.float()
         counts[0] += float((high.abs() / inverse > beyond).sum())
         counts[1] += float(((high != 0) & (low.float() == 0)).sum())

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from mixprec import _compat, _errors
 from mixprec.engine import _amax
@@ -163,6 +164,15 @@ def scaled_mm(
     cores' own, on CUDA): ``a`` row-major, ``b`` column-major, as CUDA requires (refused otherwise, on every
     device)."""
     (m, k), n = a.shape, b.shape[1]
+    if a.dtype is torch.float8_e5m2 and b.dtype is torch.float8_e5m2:
+        raise RuntimeError(
+            _errors.message(
+                "An fp8 GEMM was called with two e5m2 operands, which CUDA refuses",
+                "torch._scaled_mm on CUDA takes at most one float8_e5m2 operand",
+                received={"a": str(a.dtype), "b": str(b.dtype)},
+                fix="This is a mixprec bug: a recipe's forward format is e4m3 (Fp8Recipe refuses e5m2 there).",
+            )
+        )
     if not aligned(m, k, n) or not a.is_contiguous() or not b.t().is_contiguous():
         raise RuntimeError(
             _errors.message(
@@ -254,6 +264,7 @@ class _Fp8Linear(torch.autograd.Function):
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    @once_differentiable  # (its GEMMs take quantised copies: a double backward raises, not silently zero)
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         recipe: Fp8Recipe = ctx.recipe
         backward, forward = format_dtype(recipe.backward), format_dtype(recipe.forward)

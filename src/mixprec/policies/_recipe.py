@@ -64,7 +64,17 @@ class Fp8Recipe:
         for field in ("forward", "backward"):
             if getattr(self, field) not in FP8_FORMATS:
                 refuse(field, getattr(self, field), list(FP8_FORMATS))
+        if self.forward == E5M2:  # the gradient GEMMs would multiply two e5m2 operands, which CUDA refuses
+            refuse("forward", self.forward, f"{E4M3!r} (an fp8 GEMM takes at most one e5m2 operand)")
+        # the largest scale, finfo(format).max / eps, must be a finite float32 (a zero tensor's scale)
+        smallest = max(_FLOAT8_MAX[f] for f in (self.forward, self.backward)) / _FLOAT32_MAX
+        if self.eps < smallest:
+            refuse("eps", self.eps, f"at least {smallest:.3g}, so that finfo(format).max / eps is a finite float32")
 
+
+#: Each format's largest value, and float32's (no tensor is made at import).
+_FLOAT8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+_FLOAT32_MAX = 3.4028234663852886e38
 
 #: The default recipe: tensorwise dynamic scaling, e4m3 forward, e5m2 gradients.
 TENSORWISE = Fp8Recipe()
