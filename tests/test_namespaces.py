@@ -32,6 +32,12 @@ def test_cuda_and_xpu_namespaces_name_their_devices():
     assert mixprec.xpu.amp.autocast(enabled=False).fast_dtype is torch.bfloat16
 
 
+def test_is_autocast_enabled_with_no_argument_asks_about_cuda_as_torchs_does():
+    assert mixprec.is_autocast_enabled() is torch.is_autocast_enabled() is False
+    with torch.autocast("cuda", enabled=True) if torch.cuda.is_available() else mixprec.autocast("cpu"):
+        assert mixprec.is_autocast_enabled() is torch.is_autocast_enabled()
+
+
 def test_import_does_no_work():
     code = (
         "import sys, mixprec, mixprec.policies as p;"

@@ -432,8 +432,9 @@ def level(device: str, setting: _state.Setting | None, dtype: torch.dtype, enabl
         leave(_state._state, 1)
 
 
-def is_autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is on for ``device_type`` in this thread (torch's state: any region turns it on)."""
+def is_autocast_enabled(device_type: str = "cuda") -> bool:
+    """Whether autocast is on for ``device_type`` in this thread (torch's state: any region turns it on); with
+    no argument, CUDA's, as ``torch.is_autocast_enabled()``."""
     _devices.spec(device_type)
     return bool(torch.is_autocast_enabled(device_type))
 
