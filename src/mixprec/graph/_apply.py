@@ -171,7 +171,9 @@ class _Rewrite:
                 # tensor to the cast cache however many get_attr nodes read it (make_fx: one per use)
                 new.meta["val"] = _refake(self.fake_mode, attr)
                 self.casts.same[new] = attributes.setdefault(id(attr), new)
-                self.casts.storages[new] = (attr.device, attr.untyped_storage().data_ptr())
+                if type(attr) in (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer):  # (a subclass's storage
+                    # may not be its data: it stays with the inputs' one storage)
+                    self.casts.storages[new] = (attr.device, attr.untyped_storage().data_ptr())
             elif node.op in ("placeholder", "get_attr"):
                 val = node.meta["val"] if "val" in node.meta else _attr(gm, node.target)
                 new.meta["val"] = _refake(self.fake_mode, val)
