@@ -543,3 +543,18 @@ def test_a_thread_with_no_mixprec_state_takes_the_native_table():
     fresh.join()
     native = (1, torch.bfloat16)
     assert results == {"left a region untold": native, "a new thread": native}
+
+
+def test_a_table_made_while_another_thread_numbers_more_overloads(monkeypatch):
+    """``table`` reads the numbered overloads once: another thread's registration numbering one more between its
+    count and its reading (a race of two threads' first regions) raised IndexError as the setting was pushed."""
+
+    class Growing(dict):
+        def items(self):  # another thread numbers one more overload just now
+            if torch.ops.aten.cosh.default not in self:
+                self[torch.ops.aten.cosh.default] = len(self)
+            return super().items()
+
+    monkeypatch.setattr(_fastpath, "_numbers", Growing(_fastpath._numbers))
+    made = _fastpath.table(_kernels.native_entries("cpu"))
+    assert made is not None or _fastpath.extension() is None

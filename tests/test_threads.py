@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 import mixprec
@@ -59,3 +60,69 @@ def test_three_threads_keep_their_own_settings():
         t.join()
     assert not failures, "\n".join(failures[:10])
     assert torch.ops.aten.mm.default in mixprec.engine._kernels.registered("cpu")
+
+
+# --- a region entry that fails, and kernels that arrive while other threads run ----------------------------------
+
+
+def test_a_setting_whose_push_fails_is_not_left_in_force(monkeypatch):
+    """A thread's setting is told to the C++ kernels as it is pushed (``_state.on_change``); where that raises
+    (as a race between two threads' first regions once made it), the region's entry fails and the thread keeps
+    the setting it had: no level, no policy left in force."""
+    from mixprec.engine import _state
+
+    def refuse(device_type, setting):
+        raise IndexError("told nothing")
+
+    with mixprec.autocast("cpu", policy=MM_FP32):  # its kernels registered (they set on_change themselves)
+        pass
+    monkeypatch.setattr(_state, "on_change", refuse)
+    with pytest.raises(IndexError), mixprec.autocast("cpu", policy=MM_FP32):
+        pass
+    monkeypatch.undo()
+    state = _state.get()
+    assert not state.frames and state.active.get("cpu") is None and mixprec.get_policy("cpu") is not MM_FP32
+    x = torch.randn(4, 4)
+    with torch.autocast("cpu"):
+        assert torch.mm(x, x).dtype is torch.bfloat16
+
+
+def test_a_level_whose_entry_fails_after_its_push_is_closed(monkeypatch):
+    """An exception (Ctrl-C included) while a level sets torch's state leaves neither the level nor its setting:
+    its ``__exit__`` never runs."""
+    from mixprec.engine import _region, _state
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    with mixprec.autocast("cpu", policy=MM_FP32, compute="native"):  # its kernels registered
+        pass
+    monkeypatch.setattr(_region, "set_torch", interrupted)
+    with pytest.raises(KeyboardInterrupt), mixprec.autocast("cpu", policy=MM_FP32, compute="native"):
+        pass
+    monkeypatch.undo()
+    state = _state.get()
+    assert not state.frames and state.active.get("cpu") is None and not torch.is_autocast_enabled("cpu")
+
+
+def test_the_mirror_of_torchs_cache_clears_with_torch_before_the_first_kernel_serves_a_call(monkeypatch):
+    """The first kernels are registered one by one, the C++ extension loaded (or built: minutes) between them;
+    another thread's plain torch.autocast region may reach a kernel already there and cast a weight through the
+    mirror of torch's cache, which must clear as torch's does from then on (it kept a cast from before an
+    optimizer step: stale weights in every region until the load ended)."""
+    from mixprec import engine
+    from mixprec.engine import _cast, _fastpath
+
+    engine.reset()
+    following = []
+    real = _fastpath.attach
+
+    def attach(*args):  # (called after each op's Python kernel is registered)
+        following.append(torch.clear_autocast_cache is _cast.clear_autocast_cache)
+        return real(*args)
+
+    monkeypatch.setattr(_fastpath, "attach", attach)
+    with mixprec.autocast("cpu", policy=MM_FP32, compute="native"):
+        pass
+    assert following and all(following)
+    engine.reset()

@@ -179,8 +179,9 @@ def table(entries: dict[Op, Any]) -> Any:
     module = extension()
     if module is None:
         return None
-    plans: list[tuple[int, Any, bool, bool]] = [(_SLOW, None, False, False)] * len(_numbers)
-    for op, number in list(_numbers.items()):  # (another thread may be numbering more)
+    numbered = list(_numbers.items())  # (another thread may be numbering more: numbers 0..n-1 of them now)
+    plans: list[tuple[int, Any, bool, bool]] = [(_SLOW, None, False, False)] * len(numbered)
+    for op, number in numbered:
         entry = entries.get(op)
         if entry is None:
             plans[number] = (_THROUGH, None, False, False)

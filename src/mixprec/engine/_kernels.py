@@ -101,6 +101,11 @@ def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
     with _lock:
         _tables.native_registrations(key)  # read torch's own list before adding to it
         done = _registered.setdefault(key, set())
+        if ops - done:
+            # Before the first kernel serves a call: from then on, other threads' plain torch.autocast regions
+            # may reach it and cast through the mirror of torch's cache, which must clear as torch's clears
+            # (the extension may take minutes to build below, its first kernel already registered).
+            _cast.follow_torch(True)
         for op in sorted(ops - done, key=_tables.qualified):
             namespace = op.overloadpacket._qualified_op_name.split("::")[0]
             library = _libraries.get(namespace)
@@ -118,7 +123,6 @@ def register(key: str, device_type: str, ops: frozenset[Op] | set[Op]) -> None:
             _register_jit_casts(key, device_type)
         if grew:
             _state.set_kernels_registered(True)  # regions of the default policy must set their setting now
-            _cast.follow_torch(True)  # the kernels cache as torch does in plain regions: clear with torch
         if fast:
             _follow_settings(device_type)
     if grew and _compat.dynamo_loaded():

@@ -8,11 +8,13 @@ on every step) and cannot confuse two objects that happened to share an address.
 
 from __future__ import annotations
 
+import threading
 from typing import TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
 
+_putting = threading.Lock()  # (puts are misses: never the kernels' hot path)
 #: Every memo made here, for ``clear_all`` (the documented reset, ``mixprec.engine.reset``).
 _all: list[Memo] = []  # type: ignore[type-arg]
 
@@ -28,9 +30,10 @@ class Memo(dict[K, V]):
 
     def put(self, key: K, value: V) -> V:
         """Store ``value`` under ``key`` (dropping the oldest entry when full) and return it."""
-        if key not in self and len(self) >= self.size:
-            del self[next(iter(self))]
-        self[key] = value
+        with _putting:  # (two threads evicting at once would both take the same oldest key)
+            if key not in self and len(self) >= self.size:
+                del self[next(iter(self))]
+            self[key] = value
         return value
 
     def __repr__(self) -> str:

@@ -92,10 +92,19 @@ def open_level(
     autocast off, or follows torch's). The setting's kernels must be registered already."""
     previous = push_setting(state, device, setting) if setting is not None else None
     before = torch_state(device)
+    try:  # (a failed entry leaves no level behind: its __exit__ never runs)
+        set_torch(device, enabled, dtype, cache_enabled, before)
+    except BaseException:
+        if setting is not None:
+            pop_setting(state, device, previous)
+        raise
     state.frames.append((device, setting is not None, previous, before))
-    _cast.levels_changed(state)
-    _state.hold(state)
-    set_torch(device, enabled, dtype, cache_enabled, before)
+    try:
+        _cast.levels_changed(state)
+        _state.hold(state)
+    except BaseException:
+        close_level(state)
+        raise
 
 
 def add_level(state: _state.ThreadState, device: str, setting: _state.Setting | None, previous: Any,

@@ -96,9 +96,17 @@ class ActiveSettings(dict[str, Setting]):
     """A thread's settings, device type -> innermost setting: a dict that tells ``on_change`` of each change."""
 
     def __setitem__(self, device_type: str, setting: Setting) -> None:
+        before = super().get(device_type)
         super().__setitem__(device_type, setting)
         if on_change is not None:
-            on_change(device_type, setting)
+            try:
+                on_change(device_type, setting)
+            except BaseException:  # (told nothing: the thread keeps the setting it had, here as in C++)
+                if before is None:
+                    super().pop(device_type, None)
+                else:
+                    super().__setitem__(device_type, before)
+                raise
 
     def pop(self, device_type: str, *default: Any) -> Any:  # type: ignore[override]
         found = super().pop(device_type, *default)
