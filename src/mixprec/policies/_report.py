@@ -66,9 +66,12 @@ _BEHAVIOUR = (
     "natively: a composite such as `einsum` decomposes, and the listed ops it reaches are cast.",
     "A banned op raises only when an eligible tensor (floating, on the device, not float64) is among "
     "its inputs; torch's CUDA ban raises for any input.",
-    "mixprec's kernels reuse a weight's cast only inside a mixprec region (whose exit clears the cache), "
-    "never under `no_grad` (a copy made there has no autograd history), and recast a weight whose version "
-    "counter moved. In a plain `torch.autocast` region through mixprec's kernels each use is cast anew.",
+    "mixprec's kernels keep a weight's cast in one of two caches (docs/design.md, \"The cast caches\"). "
+    "For an op a region's policy or compute changes: mixprec's own, kept inside a mixprec region (whose exit "
+    "clears it), never under `no_grad` (a copy made there has no autograd history), and recast when the "
+    "weight's version counter moves. For an op run as torch runs it (in a plain `torch.autocast` region "
+    "through mixprec's kernels too): a mirror of torch's own cache, with torch's rules, so such a region "
+    "casts a weight as often as native does.",
 )
 
 
