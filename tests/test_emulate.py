@@ -498,7 +498,7 @@ def test_a_linear_with_a_one_dimensional_weight_trains_emulated() -> None:
 
 DOUBLE_BACKWARD = {
     "prelu": (lambda x, w: F.prelu(x, w.reshape(-1)[:1]), (64, 8), (8, 8)),
-    "sdpa": (lambda x, w: F.scaled_dot_product_attention(x[None], (x @ w)[None], x[None])[0], (16, 8), (8, 8)),
+    "addbmm": (lambda x, w: torch.addbmm(x, torch.stack([x, x * 0.5]), w.expand(2, 8, 8)), (8, 8), (8, 8)),
     "conv_same": (lambda x, w: F.conv1d(x[None], w[:, :, None].expand(8, 8, 3), padding="same")[0], (8, 16), (8, 8)),
 }
 
@@ -506,7 +506,8 @@ DOUBLE_BACKWARD = {
 @pytest.mark.parametrize("op", DOUBLE_BACKWARD)
 def test_a_double_backward_through_a_recomputed_op_follows_native(op: str) -> None:
     # A gradient penalty (create_graph=True) through an op emulated by recomputation: its backward is itself
-    # differentiable, so the weight's second-order term is there (it was None, or lost 10-40%).
+    # differentiable, so the weight's second-order term is there (it was None, or lost 10-40%). (Not sdpa: torch
+    # 2.15's CPU flash attention has no double backward, natively either.)
     fn, x_shape, w_shape = DOUBLE_BACKWARD[op]
     torch.manual_seed(0)
     x0, w0 = torch.randn(*x_shape), torch.randn(*w_shape) * 0.3
