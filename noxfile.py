@@ -5,10 +5,9 @@
                                                  between releases
     nox -s compatibility                         docs/compatibility.md from the sessions' results
     nox -s docs                                  the documentation site, built in strict mode
-    nox                                          what CI runs: the whole suite on the oldest and the
-                                                 newest release, the version-sensitive tests on every
-                                                 release in between, the documentation site, then the
-                                                 compatibility table
+    nox                                          what CI runs: the whole suite on the newest release,
+                                                 the version-sensitive tests on every older one, the
+                                                 documentation site, then the compatibility table
 
 The supported releases are ``TESTED`` in ``src/mixprec/_compat.py``; this file reads that table
 without importing mixprec, so nox itself never needs torch.
@@ -73,8 +72,8 @@ for _release in ORDER:
 
 @nox.session(venv_backend="none")
 def ci(session: nox.Session) -> None:
-    """The whole suite on the newest and the oldest release, the version-sensitive tests in between, then the
-    compatibility table; fails if any release failed. The other releases' venvs install in the background
+    """The whole suite on the newest release, the version-sensitive tests on every older one (CI's time limit),
+    then the compatibility table; fails if any release failed. The other releases' venvs install in the background
     while the newest one's tests run (downloads and unpacking against a CPU-bound suite)."""
     import shutil
     import subprocess
@@ -92,8 +91,7 @@ def ci(session: nox.Session) -> None:
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
         )
         runs = [(NEWEST, [], [])]
-        runs.append((OLDEST, ["--reuse-existing-virtualenvs", "--no-install"], ["--not-newest"]))
-        runs += [(r, ["--reuse-existing-virtualenvs", "--no-install"], ["--version-sensitive"]) for r in ORDER[1:-1]]
+        runs += [(r, ["--reuse-existing-virtualenvs", "--no-install"], ["--version-sensitive"]) for r in ORDER[:-1]]
         failed, took = [], {}
         for release, options, pytest_args in runs:
             if options and background.poll() is None:

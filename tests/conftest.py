@@ -3,9 +3,9 @@ and the results file ``docs/compatibility.md`` is generated from.
 
 * ``--version-sensitive``: only the tests that touch torch internals which move between releases
   (``VERSION_SENSITIVE``), with a sample of the OpInfo comparison (``--opinfo-sample``). ``nox`` runs these on
-  the releases between the oldest and the newest supported one.
-* ``--not-newest``: this run is not the newest release's whole suite (``nox`` passes it to the oldest's, and
-  ``--version-sensitive`` implies it): the long tests in ``NEWEST_ONLY`` are left to that run.
+  every supported release older than the newest.
+* ``--not-newest``: this run is not the newest release's whole suite (``--version-sensitive`` implies it): the
+  long tests in ``NEWEST_ONLY`` are left to that run.
 * ``MIXPREC_COMPAT_RESULTS=<file>``: write this run's outcome per feature (``FEATURES``) there as JSON.
 * ``MIXPREC_EXPECT_TORCH=<version>``: fail at once unless that torch is the one imported (a matrix venv that
   resolved another release must not pass for it).
