@@ -60,7 +60,7 @@ VERSION_SENSITIVE = (
     "test_fastpath.py",
 )
 #: In the OpInfo sample: every op torch autocasts on CPU, and this share of the others (by a stable hash).
-OPINFO_SAMPLE_ONE_IN = 6
+OPINFO_SAMPLE_ONE_IN = 12
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
