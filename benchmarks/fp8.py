@@ -12,7 +12,9 @@ Cases:
 
 * ``mlp-<name>``: ``x -> linear -> gelu -> linear``, forward and backward, at the shapes of issue 25's table
   (tokens x in -> hidden): Llama-3-8B 8192 x 4096 -> 14336, Llama-70B 16384 x 8192 -> 28672, GPT-2 small
-  4096 x 768 -> 3072; eager and compiled (one ``torch.compile`` per contender).
+  4096 x 768 -> 3072; eager and compiled (one ``torch.compile`` per contender). Each step sets the
+  gradients to None first, as a training step's ``zero_grad`` does (before 2026-11-28 they accumulated
+  across steps: five extra float32 additions a step in both contenders, 0.42 ms of 8.4 on an H200).
 * ``llama``: a training step (forward, cross-entropy, backward, AdamW) of a Llama-style decoder of about 1B
   parameters (16 layers, width 2048, SwiGLU 8192, vocabulary 32000, 4 x 2048 tokens), compiled, with
   ``mixprec.choose_fp8_layers`` choosing the fp8 layers; then ``--loss-steps`` steps of each from the same
@@ -103,28 +105,41 @@ def _timed(step: Callable[[], Any], inner: int) -> float:
     return (time.perf_counter() - start) / inner
 
 
-def mlp_cases(name: str) -> list[Case]:
+def mlp_block(name: str, bias: bool = True) -> tuple[nn.Module, torch.Tensor]:
+    """The ``mlp-<name>`` block (``x -> linear -> gelu -> linear``, with biases unless ``bias`` is False) and
+    its input, on the benchmark's device."""
     gpu_shape, cpu_shape = MLP_SHAPES[name]
     tokens, width, hidden = gpu_shape if common._gpu() else cpu_shape
     device = common._device()
     torch.manual_seed(0)
-    block = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)).to(device)
-    x = torch.randn(tokens, width, device=device, requires_grad=True)
+    block = nn.Sequential(nn.Linear(width, hidden, bias=bias), nn.GELU(), nn.Linear(hidden, width, bias=bias))
+    return block.to(device), torch.randn(tokens, width, device=device, requires_grad=True)
 
-    def step_of(model: nn.Module, region: Callable[[], Any]) -> Callable[[], Any]:
-        def step() -> Any:
-            with region():
-                out = model(x)
-            out.float().sum().backward()
-            return out
 
-        return step
+def block_step(model: nn.Module, x: torch.Tensor, region: Callable[[], Any]) -> Callable[[], Any]:
+    """One forward and backward of ``model`` on ``x`` in ``region``, gradients set to None first, as a
+    training step's ``zero_grad`` leaves them (so no step adds into the last one's)."""
 
+    def step() -> Any:
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        with region():
+            out = model(x)
+        out.float().sum().backward()
+        return out
+
+    return step
+
+
+def mlp_cases(name: str, bias: bool = True) -> list[Case]:
+    block, x = mlp_block(name, bias)
+    tokens, width = x.shape
+    hidden = block[0].out_features
     made = regions()
-    desc = f"x -> linear -> gelu -> linear, {tokens} x {width} -> {hidden}, fwd+bwd"
-    eager = Case(f"mlp-{name}-eager", desc + ", eager", {n: step_of(block, r) for n, r in made.items()})
+    desc = f"x -> linear -> gelu -> linear, {tokens} x {width} -> {hidden}{'' if bias else ', no biases'}, fwd+bwd"
+    eager = Case(f"mlp-{name}-eager", desc + ", eager", {n: block_step(block, x, r) for n, r in made.items()})
     compiled = Case(f"mlp-{name}-compiled", desc + ", compiled",
-                    {n: step_of(torch.compile(block), r) for n, r in made.items()})  # fmt: skip
+                    {n: block_step(torch.compile(block), x, r) for n, r in made.items()})  # fmt: skip
     return [eager, compiled]
 
 

@@ -70,13 +70,7 @@ def kernels(prof: Any, steps: int, gpu: bool) -> dict[str, dict[str, float]]:
 
 
 def profile_contender(region: Any, model: nn.Module, x: torch.Tensor, steps: int) -> dict[str, Any]:
-    compiled = torch.compile(model)
-
-    def step() -> None:
-        with region():
-            out = compiled(x)
-        out.float().sum().backward()
-
+    step = bench.block_step(torch.compile(model), x, region)
     for _ in range(3):  # compile, then warm
         step()
     common._sync()
@@ -115,10 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     info = common.machine()
     where = f"GPU: {info['gpu']}, CUDA {info['cuda']}" if gpu else f"CPU: {info['cpu']} (fp8 emulated)"
     print(f"{where}; torch {info['torch']}; block {tokens} x {width} -> {hidden}, compiled, {args.steps} steps\n")
-    device = common._device()
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)).to(device)
-    x = torch.randn(tokens, width, device=device, requires_grad=True)
+    model, x = bench.mlp_block(args.shape)
     contenders = {**bench.regions(), "fp8-fast": bench.regions(use_fast_accum=True)["fp8"]}
     results = {name: profile_contender(region, model, x, args.steps) for name, region in contenders.items()}
     unit = "device" if gpu else "CPU self"

@@ -10,6 +10,9 @@
 #   bash tools/gpu_session.sh all     both in one command of at most 9 minutes (shorter limits per step, no
 #                                     JUnit file, fp8.py without the loss comparison and the small block, no
 #                                     kernel_cost.py): for a session whose device time fits one machine start only
+#   bash tools/gpu_session.sh tune    tools/fp8_tuning.py: ways of writing the compiled fp8 linear's
+#                                     quantisation timed against bf16 (the 8B block with and without biases,
+#                                     then the ~1B step under the fastest), with inductor's generated code
 #
 # The device image lacks `expecttest`, which torch's OpInfo database imports (tests/cuda/test_cuda_opinfo.py):
 # download its wheel into .whl/ here (`pip download --no-deps --only-binary=:all: -d .whl expecttest`, with
@@ -96,7 +99,16 @@ bench() {  # bench FP8_LIMIT PROFILE_LIMIT OVERHEAD_LIMIT KERNEL_COST_LIMIT DEMO
     step demo "${limits[4]}" "$python" -m mixprec demo --device "$device" --steps "$steps" --out "${TMPDIR:-/tmp}/gpu-session-demo"
 }
 
+tune() {  # tune LIMIT
+    local extra=()
+    [ "$quick" = 1 ] && extra=(--repeats 3 --no-llama)
+    step fp8-tuning "$1" "$python" tools/fp8_tuning.py --device "$device" --out "$out" "${extra[@]}"
+}
+
 case "$part" in
+tune)
+    tune 500
+    ;;
 tests)
     tests 480 junit
     ;;
@@ -110,7 +122,7 @@ all)
     bench 220 75 90 0 35 mlp-llama3-8b llama
     ;;
 *)
-    echo "usage: bash tools/gpu_session.sh tests|bench|all" >&2
+    echo "usage: bash tools/gpu_session.sh tests|bench|tune|all" >&2
     exit 2
     ;;
 esac

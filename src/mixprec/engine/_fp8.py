@@ -68,6 +68,12 @@ def scale(amax: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe) -> torch.Te
     return factor
 
 
+def absmax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """The largest magnitude in ``t`` (``dim`` None), or along ``dim`` (kept as a size-1 dim): what a scale is
+    taken from. (One function, so ``tools/fp8_tuning.py`` can time other ways of reducing on a GPU.)"""
+    return t.abs().amax() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+
+
 def quantise(
     t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None, site: _amax.Site | None = None,
     row: int = 0,
@@ -75,7 +81,7 @@ def quantise(
     """``(q, inverse_scale)``: ``t`` scaled, clamped and cast to ``dtype`` (row-major), and what ``_scaled_mm``
     multiplies it back by. ``dim`` None: one scale for the tensor; else one per slice along ``dim`` (kept as a
     size-1 dim). With a delayed recipe's ``site``, the scale comes from its history's ``row``."""
-    amax = t.detach().abs().amax() if dim is None else t.detach().abs().amax(dim=dim, keepdim=True)
+    amax = absmax(t.detach(), dim)
     if site is not None:
         amax = site.amax(row, amax)
     factor = scale(amax, dtype, recipe)
@@ -148,8 +154,14 @@ def aligned(m: int, k: int, n: int) -> bool:
     return m % ALIGNMENT == 0 and k % ALIGNMENT == 0 and n % ALIGNMENT == 0
 
 
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """``t.t()`` as a row-major copy: the layout a backward GEMM takes an operand in (``_column_major``, and the
+    weight gradient's first operand). (One function, so ``tools/fp8_tuning.py`` can time other copies.)"""
+    return t.t().contiguous()
+
+
 def _column_major(t: torch.Tensor) -> torch.Tensor:
-    return t.t().contiguous().t()
+    return transposed(t).t()
 
 
 def scaled_mm(
@@ -283,7 +295,7 @@ class _Fp8Linear(torch.autograd.Function):
             if need_w:
                 gq_cols, sg_cols = quantise(g, backward, recipe, 0)  # grad_w = g.t() @ x: contracted over M
                 xq_cols, sx_cols = quantise(x2, forward, recipe, 0)
-                a, a_inv = gq_cols.t().contiguous(), sg_cols.reshape(-1, 1)  # (a transpose keeps its strides)
+                a, a_inv = transposed(gq_cols), sg_cols.reshape(-1, 1)  # (a transpose keeps its strides)
                 grad_w = scaled_mm(a, a_inv, _column_major(xq_cols), sx_cols, w_dtype)
         else:
             xq, sx, wq, sw = ctx.saved_tensors
@@ -291,7 +303,7 @@ class _Fp8Linear(torch.autograd.Function):
             if need_x:
                 grad_x = scaled_mm(gq.contiguous(), sg, _column_major(wq), sw, x_dtype)
             if need_w:
-                grad_w = scaled_mm(gq.t().contiguous(), sg, _column_major(xq), sx, w_dtype)
+                grad_w = scaled_mm(transposed(gq), sg, _column_major(xq), sx, w_dtype)
         if observed:
             seen = Fp8Grad(g.detach(), gq, sg, ctx.token)  # type: ignore[arg-type]
             for observe in list(observers):
