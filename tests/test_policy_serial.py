@@ -35,6 +35,18 @@ def test_builtin_round_trips_as_its_name_alone(name, tmp_path):
     assert mixprec.Policy.from_file(path) == policy
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.text(max_size=12))
+def test_any_name_round_trips_through_a_file(name, tmp_path):
+    """A policy's name is any string, control characters and quotes included: ``to_toml`` escapes what TOML
+    allows no raw (it wrote them raw, and ``from_file`` then refused its own file)."""
+    policy = mixprec.Policy.from_dict({"name": name, "base": "CPU", "ops": {"fp32": ["softmax"]}})
+    path = tmp_path / "named.toml"
+    path.write_text(policy.to_toml(), encoding="utf-8")
+    loaded = mixprec.Policy.from_file(path)
+    assert loaded == policy and loaded.name == name
+
+
 def test_a_hand_written_file_beside_a_training_config(tmp_path):
     path = tmp_path / "amp.toml"
     path.write_text(

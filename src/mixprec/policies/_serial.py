@@ -118,14 +118,21 @@ def to_toml(data: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+#: A TOML basic string's escapes; every other control character is written ``\\uXXXX`` (TOML allows none raw).
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_char(ch: str) -> str:
+    return f"\\u{ord(ch):04X}" if ord(ch) < 0x20 or ord(ch) == 0x7F else ch
+
+
 def _toml_value(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
-        return f'"{escaped}"'
+        return '"' + "".join(_TOML_ESCAPES.get(ch) or _toml_char(ch) for ch in value) + '"'
     return "[" + ", ".join(_toml_value(v) for v in value) + "]"  # type: ignore[attr-defined]
 
 
