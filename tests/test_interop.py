@@ -459,3 +459,19 @@ def test_a_torch_autocast_block_in_scripted_code_works_under_a_disabled_region_a
     with mixprec.autocast("cpu", policy=policy, compute="native"), mixprec.autocast("cpu", enabled=False):
         inside = [scripted(x, w).dtype for _ in range(3)]
     assert inside == [BF16] * 3 and [scripted(x, w).dtype for _ in range(2)] == [BF16] * 2
+
+
+def test_script_refuses_a_module_under_a_policy():
+    """``torch.jit.script`` would compile the class's forward and drop the policy: it is refused with mixprec's
+    error (on the module and on a parent), through the hook every supported release's ``torch.jit.script``
+    calls (``_compat.SCRIPT_PREPARE``), and scripts again once the policy is removed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    handle = mixprec.set_module_policy(model[1], "fp32")
+    for target in (model, model[1]):
+        with pytest.raises(RuntimeError, match=r"torch\.jit\.script cannot compile a module under set_module_policy"):
+            torch.jit.script(target)
+    handle.remove()
+    scripted = torch.jit.script(model)
+    x = torch.randn(2, 8)
+    assert torch.equal(scripted(x), model(x))

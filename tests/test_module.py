@@ -216,7 +216,7 @@ def test_removed_cleanly():
     handle.remove()
     handle.remove()  # a second remove does nothing
     assert (dict(model[1]._forward_pre_hooks), dict(model[1]._forward_hooks)) == hooks_before
-    assert not {"forward", "_replicate_for_data_parallel"} & set(model[1].__dict__)
+    assert not {"forward", "_replicate_for_data_parallel", "__prepare_scriptable__"} & set(model[1].__dict__)
     with mixprec.autocast("cpu"):
         assert _dtypes(model, torch.randn(2, 8))["1.0"] is bf16
 
@@ -244,6 +244,34 @@ def test_a_data_parallel_replica_runs_itself_under_the_policy(policy):
     handle.remove()
     with mixprec.autocast("cpu"):
         assert model(x).dtype is bf16 and replicate(model, 1.0)(x).dtype is bf16
+
+
+@pytest.mark.parametrize("own_forward", [False, True], ids=["class-forward", "instance-forward"])
+def test_a_shallow_copy_given_a_policy_runs_itself(own_forward):
+    """A shallow ``copy.copy`` shares the original's ``forward`` (its ``__dict__`` is copied), which runs the
+    original: given a policy of its own, the copy runs itself (its mode, its parameters), under the policies set
+    on it alone; a forward the original had as an instance attribute (a method bound to it) is bound to the
+    copy."""
+    x = torch.ones(4, 4)
+    original = nn.Dropout(0.5)
+    if own_forward:
+        original.forward = original.forward  # (an instance attribute: the method bound to the original)
+    mixprec.set_module_policy(original, CPU.with_ops(fp32=["dropout"]))
+    shallow = copy.copy(original)
+    handle = mixprec.set_module_policy(shallow, "fp32")
+    shallow.eval()  # the copy's mode, not the original's (still training)
+    with mixprec.autocast("cpu"):
+        assert torch.equal(shallow(x), x) and not torch.equal(original(x), x)
+        assert torch.equal(shallow(x.to(bf16)), x)  # ("fp32" casts the input: the copy's policy alone runs)
+    handle.remove()
+    assert torch.equal(shallow(x), x) and ("forward" in shallow.__dict__) is own_forward
+    linear = nn.Linear(4, 4)
+    mixprec.set_module_policy(linear, CPU)
+    other = copy.copy(linear)
+    other._parameters = {"weight": nn.Parameter(torch.zeros(4, 4)), "bias": linear.bias}
+    mixprec.set_module_policy(other, CPU)
+    with mixprec.autocast("cpu"):
+        assert torch.equal(other(x), linear.bias.to(bf16).expand(4, 4))
 
 
 class Boom(nn.Module):

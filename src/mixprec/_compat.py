@@ -487,6 +487,15 @@ def destroy_library(library: Any) -> None:
     library._destroy()
 
 
+# ---------------------------------------------------------------- TorchScript
+
+#: What ``torch.jit.script`` calls on a module (and on each submodule) before it compiles it, where the module
+#: has it, to swap in a scriptable stand-in (``torch.jit._script.call_prepare_scriptable_func``, every supported
+#: release): a module under a module policy has one that refuses, since TorchScript would compile the class's
+#: forward and drop the policy.
+SCRIPT_PREPARE = "__prepare_scriptable__"
+
+
 # ---------------------------------------------------------------- FSDP2
 
 

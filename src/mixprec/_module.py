@@ -196,11 +196,39 @@ class _Replicate:
     def __call__(self) -> torch.nn.Module:
         original = self.forward
         replica = type(original.module)._replicate_for_data_parallel(original.module)
-        own = PolicyForward(replica, original.inner)
+        own = _wrap(replica, _rebound(original.inner, original.module, replica))
         own.policies = list(original.policies)
-        replica.__dict__["forward"] = own
-        replica.__dict__["_replicate_for_data_parallel"] = _Replicate(own)
         return replica
+
+
+def _rebound(inner: Any, original: torch.nn.Module, module: torch.nn.Module) -> Any:
+    """A ``PolicyForward``'s ``inner`` for a copy of its module: a method bound to the original, bound to the
+    copy instead (any other callable as it is)."""
+    if inspect.ismethod(inner) and inner.__self__ is original:
+        return inner.__func__.__get__(module)
+    return inner
+
+
+def _refuse_script() -> torch.nn.Module:
+    raise RuntimeError(
+        _errors.message(
+            "torch.jit.script cannot compile a module under set_module_policy",
+            "TorchScript compiles the module's class forward, which would drop the policy",
+            fix="Script the module without its policy (handle.remove()), or use torch.compile or "
+            "torch.jit.trace, which run the policy; in TorchScript, a `with torch.autocast(...)` block "
+            "inside forward is how autocast is written.",
+        )
+    )
+
+
+def _wrap(module: torch.nn.Module, inner: Any) -> PolicyForward:
+    """Give ``module`` a ``PolicyForward`` around ``inner`` (what its own ``forward`` attribute was, or None),
+    with the attributes that go with it: its ``_Replicate`` and the hook that refuses TorchScript."""
+    forward = PolicyForward(module, inner)
+    module.__dict__["forward"] = forward
+    module.__dict__["_replicate_for_data_parallel"] = _Replicate(forward)
+    module.__dict__[_compat.SCRIPT_PREPARE] = _refuse_script
+    return forward
 
 
 _FP32_FAILED = "failed under set_module_policy(module, 'fp32')"
@@ -250,6 +278,8 @@ class ModulePolicyHandle:
             else:
                 module.__dict__["forward"] = forward.inner
             module.__dict__.pop("_replicate_for_data_parallel", None)
+            if module.__dict__.get(_compat.SCRIPT_PREPARE) is _refuse_script:
+                del module.__dict__[_compat.SCRIPT_PREPARE]
 
     def __enter__(self) -> ModulePolicyHandle:
         return self
@@ -291,7 +321,10 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
     covered, and the levels close on any exception, KeyboardInterrupt included.
     ``nn.DataParallel``'s replicas keep the policy and run themselves; a shallow
     ``copy.copy`` of the module shares the original's ``forward``, and so runs
-    the original (take a ``copy.deepcopy``, or set the policy on the copy).
+    the original, until the copy is given a policy of its own (then it runs
+    itself, under the policies set on it) or is made with ``copy.deepcopy``
+    (which keeps the policies). ``torch.jit.script`` refuses the module while
+    it has a policy.
     Arguments pass through as they are: ``"fp32"`` casts the tensors among them,
     also inside lists, tuples and dicts, and rebuilds no other object.
 
@@ -313,10 +346,12 @@ def set_module_policy(module: torch.nn.Module, policy: Policy | str) -> ModulePo
     """
     _check(module, policy)
     forward = module.__dict__.get("forward")
-    if not (isinstance(forward, PolicyForward) and forward.module is module):
-        forward = PolicyForward(module, forward)
-        module.__dict__["forward"] = forward
-        module.__dict__["_replicate_for_data_parallel"] = _Replicate(forward)
+    if isinstance(forward, PolicyForward) and forward.module is not module:
+        # a shallow copy's: the original's, which runs the original; the copy gets its own, around the forward
+        # the original's wraps (bound to the copy), with only the policies set on the copy
+        forward = _wrap(module, _rebound(forward.inner, forward.module, module))
+    elif not isinstance(forward, PolicyForward):
+        forward = _wrap(module, forward)
     token = object()
     forward.policies.append((token, policy))
     return ModulePolicyHandle(policy, forward, token)
