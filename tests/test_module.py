@@ -221,13 +221,16 @@ def test_removed_cleanly():
         assert _dtypes(model, torch.randn(2, 8))["1.0"] is bf16
 
 
+@pytest.mark.parametrize("own_forward", [False, True], ids=["class-forward", "instance-forward"])
 @pytest.mark.parametrize("policy", ["fp32", CPU.with_ops(fp32=["linear"])], ids=["fp32", "policy"])
-def test_a_data_parallel_replica_runs_itself_under_the_policy(policy):
+def test_a_data_parallel_replica_runs_itself_under_the_policy(policy, own_forward):
     """``nn.DataParallel``'s ``replicate`` makes each replica by ``_replicate_for_data_parallel`` (a copy of the
     module's ``__dict__``) and gives it its own parameters: the replica runs itself, under the policy, as a
     replica of a module without one runs itself."""
     x = torch.randn(2, 4)
     model = nn.Linear(4, 4)
+    if own_forward:
+        model.forward = model.forward  # (an instance attribute: the method bound to the original)
     handle = mixprec.set_module_policy(model, policy)
 
     def replicate(module: nn.Module, bias: float) -> nn.Module:  # as replicate() does, with other parameters
