@@ -748,6 +748,28 @@ def test_load_state_dict_checks_a_tensor_or_numpy_value_as_its_number(key: str, 
     assert scaler.get_scale() == 4.0  # nothing loaded
 
 
+@pytest.mark.parametrize("make", [lambda: torch.amp.GradScaler("cpu"), lambda: mixprec.GradScaler("cpu")],
+                         ids=["torch", "mixprec"])  # fmt: skip
+def test_load_state_dict_takes_a_scale_that_backed_off_to_zero_like_torch(make: Any) -> None:
+    """A run of non-finite steps backs the scale off past float32's smallest, to 0.0 (a diverged run): the
+    state_dict either scaler saves then loads into both, and so does an inf scale (update(new_scale=inf))."""
+    param = nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = make()
+    for _ in range(200):
+        optimizer.zero_grad()
+        scaler.scale((param * float("nan")).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    state = scaler.state_dict()
+    assert state["scale"] == 0.0
+    for target in (torch.amp.GradScaler("cpu"), mixprec.GradScaler("cpu")):
+        target.load_state_dict(state)
+        assert target.get_scale() == 0.0
+        target.load_state_dict({**state, "scale": float("inf")})
+        assert target.get_scale() == float("inf")
+
+
 # ------------------------------------------------------------------ pickling
 def test_pickling_refused_mid_iteration_and_fine_after_update() -> None:
     scaler = mixprec.GradScaler("cpu", init_scale=8.0, growth_interval=1, hysteresis=2)

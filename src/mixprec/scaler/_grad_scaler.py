@@ -72,7 +72,9 @@ class GradScaler(ScalerSettings):
             a bound by ``update(new_scale)`` or a loaded state stays there until a move in the bound's direction.
         allow_fp16_grads: Unscale float16 gradients instead of refusing them.
         process_group: Group over which ranks agree on found_inf (default: the
-            default group when torch.distributed is initialized; False: never).
+            default group when torch.distributed is initialized; False: never). The
+            agreement is a collective: every rank of the group must step its scaler,
+            so a scaler only some ranks use takes ``False`` or a group of those ranks.
 
     Examples:
         >>> model = torch.nn.Linear(4, 4)

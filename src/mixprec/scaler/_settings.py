@@ -113,6 +113,12 @@ def check_init_scale(value: Any, name: str = "init_scale") -> None:
     _check(name, value, _is_real(value) and 0 < value < math.inf, "a finite float > 0")
 
 
+def check_loaded_scale(value: Any) -> None:
+    """A saved scale: any a scaler reaches, 0.0 (backed off past float32's smallest, a diverged run) and inf
+    (``update(new_scale=inf)``) included, as torch.amp.GradScaler loads them."""
+    _check("scale", value, _is_real(value) and value >= 0, "a float >= 0 (0.0 and inf are states a scaler reaches)")
+
+
 def make_rule(
     growth_factor: Any,
     backoff_factor: Any,
@@ -273,7 +279,7 @@ class ScalerSettings:
             state.get("min_scale", rule.min_scale),
             state.get("max_scale", rule.max_scale),
         )
-        check_init_scale(state["scale"], "scale")
+        check_loaded_scale(state["scale"])
         for key in ("_growth_tracker", "_hysteresis_tracker"):
             value = state.get(key, 0)
             _check(key, value, _is_real(value) and value >= 0, "an int >= 0", integral=True)
