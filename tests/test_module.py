@@ -9,6 +9,8 @@ compared with it bit for bit, gradients included.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -219,6 +221,20 @@ def test_removed_cleanly():
     assert not {"forward", "_replicate_for_data_parallel", "__prepare_scriptable__"} & set(model[1].__dict__)
     with mixprec.autocast("cpu"):
         assert _dtypes(model, torch.randn(2, 8))["1.0"] is bf16
+
+
+def test_a_removed_policy_keeps_no_module_alive():
+    """The wrapped forward refers to its module (a reference cycle, freed by a full collection, documented); once
+    the policy is removed, ``del`` frees the module at once, though the caller keeps the handle."""
+    gc.collect()
+    model = nn.Linear(4, 4)
+    weight = weakref.ref(model.weight)
+    handle = mixprec.set_module_policy(model, "fp32")
+    with handle:
+        model(torch.randn(2, 4))
+    del model
+    assert weight() is None and handle._forward is None
+    handle.remove()  # (again: nothing)
 
 
 @pytest.mark.parametrize("own_forward", [False, True], ids=["class-forward", "instance-forward"])

@@ -263,20 +263,23 @@ class ModulePolicyHandle:
     """
 
     policy: Policy | str
-    _forward: PolicyForward
+    _forward: PolicyForward | None  # (None once removed: a removed handle keeps no module alive)
     _token: object
 
     def remove(self) -> None:
         """Take the policy off; calling it again does nothing. A call of the module running now keeps its
         levels until it returns; later calls run without the policy."""
         forward = self._forward
+        if forward is None:
+            return
+        object.__setattr__(self, "_forward", None)
         forward.policies[:] = [entry for entry in forward.policies if entry[0] is not self._token]
-        module = forward.module
+        module, inner = forward.module, forward.inner
         if not forward.policies and module.__dict__.get("forward") is forward:
-            if forward.inner is None:
+            if inner is None:
                 del module.__dict__["forward"]
             else:
-                module.__dict__["forward"] = forward.inner
+                module.__dict__["forward"] = inner
             module.__dict__.pop("_replicate_for_data_parallel", None)
             if module.__dict__.get(_compat.SCRIPT_PREPARE) is _refuse_script:
                 del module.__dict__[_compat.SCRIPT_PREPARE]
