@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import pathlib
+import pickle
 
 import pytest
 import torch
@@ -139,6 +141,25 @@ def test_explain_lists_each_call_site_with_its_format_and_reason():
         off = mixprec.explain(model, "cpu", FP8, example=(IDS,))
     assert {s.reason for s in off if s.module.startswith("blocks.0.")} == {"autocast is off here"}
     assert {s.runs_in for s in off if s.module.startswith("blocks.0.")} == {"float32"}
+
+
+def test_a_copy_of_the_model_keeps_the_layers_and_their_reasons():
+    """``copy.deepcopy`` and pickling keep the module policies the helper set, and with them the reason each
+    kept layer gives in ``explain`` (it was "policy FP8: lower_precision_fp" on a copy); ``remove()`` on the
+    original leaves the copy as it was."""
+    model = _model()
+    layers = mixprec.choose_fp8_layers(model, min_features=WIDE)
+    def sites(of: torch.nn.Module) -> dict[str, tuple[str, str]]:
+        return {s.module: (s.runs_in, s.reason) for s in mixprec.explain(of, "cpu", FP8, example=(IDS,))}
+
+    original = sites(model)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert sites(copied) == original
+    assert original["first"] == ("bfloat16", "the first or last linear layer")
+    copied = copy.deepcopy(model)
+    layers.remove()
+    assert mixprec.explain(model, "cpu", FP8, example=(IDS,))[0].runs_in == "float8_e4m3fn"
+    assert sites(copied) == original
 
 
 def test_hugging_face_gpt2_conv1d_layers_are_chosen_and_its_tied_head_kept():

@@ -5,7 +5,7 @@ The model runs once under the region it will train in, with a ``TorchFunctionMod
 ``mm``, ``matmul`` and ``addmm`` call (and the projections ``F.multi_head_attention_forward`` makes inside,
 which a mode sees only as the composite): the module path running it, its GEMM's shape, the format the policy
 in force gives it, and why (an fp8 call's recipe, ``fp8.fit``'s refusal, a module policy, or the reason
-``choose_fp8_layers`` kept its layer out: ``_fp8_layers._KEPT``).
+``choose_fp8_layers`` kept its layer out: ``_fp8_layers.kept_choice``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mixprec import _autocast
-from mixprec._fp8_layers import _KEPT, _table
+from mixprec._fp8_layers import _table, kept_choice
 from mixprec._untouched import untouched
 from mixprec.engine import _devices, _fp8, _tables
 from mixprec.policies import Category, Policy
@@ -91,7 +91,7 @@ class _Sites(torch.overrides.TorchFunctionMode):
         entry = _tables.entry_name(policy, op)
         category = policy.table.get(entry) if entry is not None else None
         category = category if category is not None else policy.table.get(name)
-        kept = next((_KEPT[m] for m in reversed(self.modules) if m in _KEPT), None)
+        kept = next((c for c in map(kept_choice, reversed(self.modules)) if c is not None), None)
         if category is Category.FP8:
             found = _fp8.fit(op, tuple(args), kwargs, device)
             if not isinstance(found, str):

@@ -26,7 +26,6 @@ import dataclasses
 import difflib
 import fnmatch
 import typing
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -123,8 +122,15 @@ def fallback_of(policy: Policy) -> Policy:
     return policy.with_ops(lower_precision_fp=policy.ops(Category.FP8.value))
 
 
-#: The layers the active helpers keep out, for ``call_sites``'s reasons.
-_KEPT: weakref.WeakKeyDictionary[torch.nn.Module, LayerChoice] = weakref.WeakKeyDictionary()
+#: The attribute a layer the helper keeps out holds its ``LayerChoice`` in, for ``call_sites``'s reasons: in the
+#: module's ``__dict__`` beside the ``forward`` its policy wraps, so copies (``copy.deepcopy``, pickling) keep it
+#: as they keep the policy.
+KEPT = "_mixprec_fp8_kept"
+
+
+def kept_choice(module: torch.nn.Module) -> LayerChoice | None:
+    """The choice that kept ``module`` out of fp8, where the helper did (and its policy is still on)."""
+    return module.__dict__.get(KEPT)
 
 
 @dataclasses.dataclass(eq=False)
@@ -151,7 +157,7 @@ class Fp8Layers:
         """Take the module policies off; calling it again does nothing."""
         for module, handle in self._handles:
             handle.remove()
-            _KEPT.pop(module, None)
+            module.__dict__.pop(KEPT, None)
         self._handles.clear()
 
     def __enter__(self) -> Fp8Layers:
@@ -247,9 +253,9 @@ def choose_fp8_layers(
         reason = reasons[id(layer)]
         choice = LayerChoice(path, type(layer).__name__, fan_in, fan_out, reason is None, reason or "fp8")
         choices.append(choice)
-        if reason is not None and not reason.startswith("under the module policy") and layer not in _KEPT:
+        if reason is not None and not reason.startswith("under the module policy") and kept_choice(layer) is None:
             handles.append((layer, _module.set_module_policy(layer, fallback)))
-            _KEPT[layer] = choice
+            layer.__dict__[KEPT] = choice
     return Fp8Layers(policy, fallback, tuple(choices), handles)
 
 
