@@ -307,6 +307,73 @@ def test_a_module_policy_on_the_module_holding_the_checkpoint_reaches_its_recomp
     _assert_equal(plain, run(True))
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("backward_in", ["another-region", "the-same-region"])
+def test_backward_inside_a_region_recomputes_what_the_forward_ran(reentrant, backward_in):
+    """``backward()`` inside a region: a recompute runs what its forward ran (torch re-enters the forward's
+    autocast state), not the region around ``backward()``; ops the recomputed forward runs inside a region of its
+    own follow that region. The forward here runs a policy on the module holding the checkpoint (its hook does
+    not rerun), the training-step shape of a Hugging Face decoder layer under a module policy whose loss's
+    backward runs in the region; before, the region's setting won (CheckpointError, or, reentrant, silently
+    other gradients)."""
+    holder = _Holder(reentrant)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    inner = holder.block[2]  # (LayerNorm: a region of its own inside the checkpointed block)
+    inner_forward = inner.forward
+
+    def in_region(*args):
+        with mixprec.autocast("cpu", compute="emulated"):
+            return inner_forward(*args)
+
+    inner.forward = in_region
+
+    def run(checkpointed):
+        holder.checkpointed, x.grad = checkpointed, None
+        holder.zero_grad(set_to_none=True)
+        with mixprec.set_module_policy(holder, MM_FP32):
+            with _ours():
+                out = holder(x)
+                if backward_in == "the-same-region":
+                    out.float().sum().backward()
+            if backward_in == "another-region":
+                with mixprec.autocast("cpu", dtype=F16, compute="emulated"):
+                    out.float().sum().backward()
+        return [out.detach(), x.grad, *(p.grad for p in holder.parameters())]
+
+    plain = run(False)
+    assert plain[0].dtype is F32
+    _assert_equal(plain, run(True))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("where", ["around-the-region", "inside-the-checkpoint"])
+def test_checkpoint_under_save_on_cpu_keeps_the_forwards_setting(reentrant, where):
+    """Saved-tensor hooks of the user's own (``save_on_cpu``) on top of a reentrant checkpoint: its forward
+    still leaves its setting on the checkpoint's ``ctx`` (it looked for a non-reentrant frame behind the hooks
+    alone, and the recompute ran torch's native policy: other gradients, silently)."""
+    model = _block()
+    region = functools.partial(mixprec.autocast, "cpu", policy=MM_FP32, compute="native")
+
+    def hooked(*args):
+        with torch.autograd.graph.save_on_cpu():
+            return model(*args)
+
+    target = hooked if where == "inside-the-checkpoint" else model
+
+    def run(use_checkpoint):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        model.zero_grad(set_to_none=True)
+        hooks = torch.autograd.graph.save_on_cpu() if where == "around-the-region" else contextlib.nullcontext()
+        with hooks, region():
+            out = checkpoint(target, x, use_reentrant=reentrant) if use_checkpoint else target(x)
+        out.float().sum().backward()
+        return [out.detach(), x.grad, *(p.grad for p in model.parameters())]
+
+    plain = run(False)
+    assert plain[0].dtype is F32
+    _assert_equal(plain, run(True))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_two_checkpoints_under_two_policies_in_one_backward(reentrant):
     model = _block()
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)

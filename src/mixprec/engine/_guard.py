@@ -179,12 +179,13 @@ def contact() -> None:
     if tx is None:  # AOTAutograd or export without dynamo: no trace of ours to restore after
         return
     state = _state.get()
-    saved = (dict(state.active), list(state.module_policies))
+    saved = (dict(state.active), list(state.module_policies), list(state.pushes))
 
     def restore() -> None:
         state.active.clear()
         state.active.update(saved[0])
         state.module_policies[:] = saved[1]
+        state.pushes[:] = saved[2]
         _state.release(state)
 
     _compat.add_cleanup(tx, restore)

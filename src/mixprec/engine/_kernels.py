@@ -298,12 +298,18 @@ def _kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
                 entry = native[0] if native else _native_entry()
             else:
                 entry = _without_region()
-        else:
+        elif task_id() < 0:
             # In forward, inside a checkpoint (``_recompute.in_forward``, written out): leave the setting for
             # its recompute, which may run after the region is gone.
-            if task_id() < 0 and (not grad_enabled() or top_hooks(False) is not None):
+            if not grad_enabled() or top_hooks(False) is not None:
                 _recompute.record(setting)
             entry = (setting.derived.get("entries") or entries(setting)).get(op)
+        else:  # in backward inside a region: a backward op, or a recompute (which runs what its forward ran)
+            found = _recompute.backward_setting(state, device_type, setting)
+            if found is _recompute.NATIVE:
+                entry = _native_entry()
+            else:
+                entry = (found.derived.get("entries") or entries(found)).get(op)
         if entry is None:
             if maybe_scalar and any(i < len(args) and type(args[i]) in _NUMBERS for i in maybe_scalar):
                 # Below autocast by another route: the op with the Autocast key excluded (it has a kernel of

@@ -8,11 +8,15 @@ forward, and read them back during the recompute::
 
     forward, in a kernel running under a setting, or as a region opens (the setting around it):
         non-reentrant (grad on):  the _CheckpointFrame behind the innermost saved-tensor hooks
-        reentrant (grad off):     the ctx of the enclosing CheckpointFunction.forward
+        reentrant (grad off):     the ctx of the enclosing CheckpointFunction.forward (also under hooks of
+                                  the user's own, such as save_on_cpu)
         -> record[device] = setting          (once per checkpoint call: the first one)
     recompute, in a kernel with no setting of its own (backward, graph task >= 0):
         non-reentrant: the frame behind the recomputation hooks;  reentrant: CheckpointFunction.backward's ctx
         -> record[device]; if none was left, the installed setting or torch's native behaviour
+    recompute inside a region (backward() called in one: ``backward_setting``): the record too (NATIVE if none),
+        not the region's setting, unless a region the recomputed forward re-entered pushed it
+        (``ThreadState.pushes`` says which recompute, if any, pushed each setting); a backward op: the region's
 
 The record is the setting of the code around the regions opened inside the
 checkpointed function: a recompute re-enters those, and they set their own. So a
@@ -58,12 +62,54 @@ def _reentrant_ctx(code: Any) -> Any:
 
 
 def _holder(forward: bool) -> Any:
+    """The record of the checkpoint running this code: the non-reentrant one's frame behind the innermost
+    saved-tensor hooks, else (hooks of the user's own on top, such as ``save_on_cpu``, or none) the reentrant
+    one's ``ctx``, in its forward (grad off) or its backward."""
     hooks = _top_hooks(False)
     if hooks is not None:
-        return _frame_of(hooks[0])
+        frame = _frame_of(hooks[0])
+        if frame is not None:
+            return frame
     if forward and torch.is_grad_enabled():
         return None
     return _reentrant_ctx(_compat.checkpoint_function_code("forward" if forward else "backward"))
+
+
+def recompute_holder() -> Any:
+    """In backward: the record of the checkpoint whose forward is being recomputed now (under the non-reentrant
+    one's recomputation hooks, or in the reentrant one's backward node), or None (a backward op, say)."""
+    hooks = _top_hooks(False)
+    if hooks is not None:
+        frame = _frame_of(hooks[0])
+        if frame is not None:
+            return frame
+    if _compat.in_reentrant_recompute():
+        return _reentrant_ctx(_compat.checkpoint_function_code("backward"))
+    return None
+
+
+def pushed_in() -> Any:
+    """As a setting is pushed: the checkpoint whose recompute pushes it (a region re-entered there), or None."""
+    return None if _task_id() < 0 else recompute_holder()
+
+
+def backward_setting(state: _state.ThreadState, device_type: str, setting: _state.Setting) -> Any:
+    """In backward, with the thread's ``setting`` in force (a region open around ``backward()``): what a kernel
+    runs under. A backward op: ``setting``, as native autocast casts backward ops inside a region. A
+    recompute: what its forward ran, as torch's re-entered ``torch.autocast`` restores the forward's state, so
+    the setting its forward left (``NATIVE`` where it left none), unless a region the recomputed forward
+    re-enters pushed ``setting`` (its innermost push for the device came in this recompute)."""
+    holder = recompute_holder()
+    if holder is None:
+        return setting
+    for device, pushed in reversed(state.pushes):
+        if device == device_type:
+            if pushed is holder:
+                return setting
+            break
+    settings = getattr(holder, _ATTRIBUTE, None)
+    found = settings.get(device_type) if settings is not None else None
+    return NATIVE if found is None else found
 
 
 #: Left by a forward that ran torch's native behaviour, so that its recompute does too (even if

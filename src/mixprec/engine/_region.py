@@ -69,11 +69,14 @@ def push_setting(state: _state.ThreadState, device: str, setting: _state.Setting
     previous = state.active.get(device)
     _recompute.record_around(device, previous)
     state.active[device] = setting
+    state.pushes.append((device, _recompute.pushed_in()))
     return previous
 
 
 def pop_setting(state: _state.ThreadState, device: str, previous: _state.Setting | None) -> None:
     """Give ``device`` back the setting ``push_setting`` replaced."""
+    if state.pushes:
+        state.pushes.pop()
     if previous is None:
         state.active.pop(device, None)
     else:

@@ -146,6 +146,9 @@ class ThreadState(threading.local):
         self.active: dict[str, Setting] = ActiveSettings()  # device type -> innermost mixprec setting
         self.frames: list[Frame] = []
         self.module_policies: list[Policy] = []  # set_module_policy: innermost last
+        # One per setting pushed (``_region.push_setting``), innermost last: its device and the checkpoint whose
+        # recompute pushed it (``_recompute.recompute_holder``), or None (pushed outside any recompute).
+        self.pushes: list[tuple[str, Any]] = []
         self.cache: Any = None  # mixprec's cast cache kept in Python (``_cast.thread_cache``)
 
     @property
