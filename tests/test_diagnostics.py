@@ -144,6 +144,42 @@ def test_an_in_place_op_that_overflows_is_named_the_first_to_make_an_inf():
     assert diagnosis.first.nonfinite_inputs == 0 and diagnosis.first.nonfinite_outputs > 0
 
 
+def test_diagnose_runs_a_model_with_non_reentrant_checkpointing():
+    """The doctor's inf/NaN counts run under no_grad: ``isfinite`` is composite, and under grad mode its ``abs``
+    saved tensors inside a non-reentrant checkpoint, whose recompute then raised CheckpointError."""
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+    torch.manual_seed(0)
+    diagnosis = diagnose((Checkpointed(), (torch.randn(4, 8),), lambda out: out.float().sum()), "cpu", torch.bfloat16)
+    assert diagnosis.first is None and any(r.phase == "backward" for r in diagnosis.rows)
+
+
+def test_diagnose_runs_a_model_that_writes_a_weights_view_under_no_grad():
+    """A constraint written in place on part of a weight under no_grad (torch runs it): the recorder asked the
+    view ``is_leaf``, which raises for such a view."""
+
+    class Constrained(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                self.lin.weight[:, 0].clamp_(-0.1, 0.1)
+            return self.lin(x)
+
+    torch.manual_seed(0)
+    diagnosis = diagnose((Constrained(), (torch.rand(4, 8),), lambda out: out.sum()), "cpu", torch.float16)
+    assert diagnosis.first is None
+
+
 def test_diagnose_leaves_the_model_as_it_found_it():
     """The doctor's runs move no buffer (BatchNorm's statistics), gradient, random generator or amax history:
     training after it is training without it."""

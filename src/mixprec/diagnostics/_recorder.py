@@ -158,11 +158,25 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+def _is_weight(t: torch.Tensor) -> bool:
+    """A leaf that requires grad (a parameter, as the cast cache keys them). A view made under no_grad of one
+    that requires grad, then written in place (``weight[:, 0].clamp_(...)`` there), raises on ``is_leaf``: it is
+    no leaf."""
+    if not t.requires_grad:
+        return False
+    try:
+        return t.is_leaf
+    except RuntimeError:
+        return False
+
+
 def nonfinite(tensors: list[torch.Tensor]) -> int:
     """The number of inf/NaN values in the floating tensors (fp8 ones read as float32: torch has no isfinite
     for them)."""
-    floating = [t.float() if t.element_size() == 1 else t for t in tensors if t.is_floating_point()]
-    return sum(int((~torch.isfinite(t)).sum()) for t in floating)
+    with torch.no_grad():  # (isfinite is composite: under grad mode its abs saves tensors, which a
+        # non-reentrant checkpoint then counts against its recompute: CheckpointError)
+        floating = [t.float() if t.element_size() == 1 else t for t in tensors if t.is_floating_point()]
+        return sum(int((~torch.isfinite(t)).sum()) for t in floating)
 
 
 def user_source() -> str:
@@ -351,10 +365,10 @@ class Recorder(_Tap):
         if cast is not None:
             # (the cache keeps a weight's casts to the region's dtype only: a float32, float16-category or fp8 one
             # is made afresh at each use, and never stands for the cached one)
-            if t.is_leaf and t.requires_grad and cast == torch.get_autocast_dtype(t.device.type):
+            if _is_weight(t) and cast == torch.get_autocast_dtype(t.device.type):
                 self._weights[id(t)] = cast
             return str(cast).removeprefix("torch.")
-        weight = t.is_leaf and t.requires_grad and torch.is_autocast_enabled(t.device.type)
+        weight = _is_weight(t) and torch.is_autocast_enabled(t.device.type)
         cached = self._weights.get(id(t)) if weight else None
         return str(cached or t.dtype).removeprefix("torch.")
 
