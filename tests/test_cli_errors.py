@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from _cli import PLANTED, run
+from _cli import PLANTED, TARGETS, run
 
 CASES = {
     "missing-target": (["doctor"], "Missing argument 'TARGET'"),
@@ -15,6 +15,10 @@ CASES = {
     "target-not-callable": (["doctor", f"{PLANTED}:NOT_CALLABLE"], "is not callable"),
     "target-raises": (["doctor", f"{PLANTED}:raises"], "raised FileNotFoundError: weights.pt"),
     "target-wrong-shape": (["doctor", f"{PLANTED}:wrong_shape"], "expected (model, example_inputs)"),
+    "target-import-raises": (["doctor", f"{TARGETS / 'raises_on_import.py'}:build"],
+                             "raised RuntimeError as it was imported: module level setup failed"),
+    "target-exits-in-forward": (["doctor", f"{PLANTED}:exits_in_forward"],
+                                "called sys.exit(0) while the doctor ran it"),
     "doctor-unknown-device": (["doctor", f"{PLANTED}:build", "--device", "tpu"], "unknown device 'tpu'"),
     "doctor-unavailable-device": (["doctor", f"{PLANTED}:build", "--device", "mps"], "not available"),
     "doctor-unknown-dtype": (["doctor", f"{PLANTED}:build", "--dtype", "int8"], "unknown dtype 'int8'"),
@@ -35,6 +39,15 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
     assert result.err.startswith("mixprec: error: ") and result.err.count("\n") == 1, result.err
     assert needle in result.err
     assert "Traceback" not in result.err + result.out
+
+
+@pytest.mark.parametrize("command", [["doctor", f"{PLANTED}:build"], ["demo", "--steps", "1"]], ids=["doctor", "demo"])
+def test_an_out_directory_that_cannot_be_made_is_refused_before_the_run(capsys, tmp_path, command):
+    """``--out`` under a file: refused at once (it was a traceback after the whole run)."""
+    (tmp_path / "afile").write_text("")
+    result = run(capsys, *command, "--out", str(tmp_path / "afile" / "sub"))
+    assert result.code == 2 and result.err.startswith("mixprec: error: --out ") and "cannot be made" in result.err
+    assert "Traceback" not in result.err + result.out and result.err.count("\n") == 1
 
 
 def test_the_command_without_its_extra_says_what_to_install(capsys, monkeypatch):

@@ -47,4 +47,13 @@ def raises():
     raise FileNotFoundError("weights.pt")
 
 
+class Quits(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise SystemExit(0)  # (a script's sys.exit reached from the model's forward)
+
+
+def exits_in_forward():
+    return Quits(), (torch.randn(2, 2),)
+
+
 NOT_CALLABLE = 3

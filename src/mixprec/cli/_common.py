@@ -38,4 +38,8 @@ def out_dir(out: Path) -> Path:
     """``--out``, checked before any work: a directory, or a path where one can be made."""
     if out.exists() and not out.is_dir():
         raise CliError(f"--out {str(out)!r} is a file; expected a directory (made if missing)")
+    try:  # (made now, so that a path no directory can be made at fails before the run, not after it)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CliError(f"--out {str(out)!r} cannot be made: {error.strerror or error}") from None
     return out

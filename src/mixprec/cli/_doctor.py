@@ -61,14 +61,27 @@ def _load_module(location: str) -> Any:
         if spec is None or spec.loader is None:
             raise CliError(f"TARGET file {location!r} cannot be imported as Python")
         module = importlib.util.module_from_spec(spec)
-        with _as_target(location, _directory(location)):  # (so the file can import its neighbours)
-            spec.loader.exec_module(module)
+        try:
+            with _as_target(location, _directory(location)):  # (so the file can import its neighbours)
+                spec.loader.exec_module(module)
+        except Exception as error:  # (a syntax error, a missing package, the file's own raise: bad input)
+            if isinstance(error, CliError):
+                raise
+            raise CliError(_raised(f"TARGET file {location!r}", error, "as it was imported")) from None
         return module
     try:
         with _as_target(location, _directory(location)):  # (as python -m finds a module in the working directory)
             return importlib.import_module(location)
     except ImportError as error:
         raise CliError(f"TARGET module {location!r} cannot be imported: {error}") from None
+    except Exception as error:
+        if isinstance(error, CliError):
+            raise
+        raise CliError(_raised(f"TARGET module {location!r}", error, "as it was imported")) from None
+
+
+def _raised(what: str, error: BaseException, when: str) -> str:
+    return f"{what} raised {type(error).__name__} {when}: {error}".replace("\n", " ")
 
 
 def load_target(target: str) -> tuple[torch.nn.Module, tuple[Any, ...], Callable[..., Any] | None]:
@@ -216,6 +229,8 @@ def run_doctor(target: str, device: str, dtype: str | None, policy: Path | None,
         except Exception as error:  # the model failed (wrong inputs, a failing loss_fn): bad input, as in load_target
             text = f"TARGET {target!r} failed when run: {type(error).__name__}: {error}"
             raise CliError(text.replace("\n", " ")) from None
+        except SystemExit as exiting:  # (in its forward or loss_fn: the doctor has no report to give)
+            raise CliError(f"TARGET {target!r} called sys.exit({exiting.code!r}) while the doctor ran it") from None
     console.print(_table(diagnosis))
     fp8 = _fp8_table(diagnosis)
     if fp8 is not None:
