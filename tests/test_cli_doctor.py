@@ -92,6 +92,14 @@ def _model():
         sys.path.pop(0)
 
 
+def test_a_target_path_with_brackets_is_printed_as_it_is(capsys, tmp_path):
+    """Rich read the table's cells as markup: a file ``model[v2].py`` showed as ``model.py``."""
+    target = tmp_path / "model[v2].py"
+    target.write_text(PLANTED.read_text())
+    result = run(capsys, "doctor", f"{target}:build", "--dtype", "float16", "--out", str(tmp_path / "out"))
+    assert result.code == 0 and "model[v2].py:" in result.out
+
+
 def test_forward_only_target(capsys, tmp_path):
     result = run(capsys, "doctor", f"{PLANTED}:build_forward_only", "--dtype", "float16", "--out", str(tmp_path))
     assert result.code == 0, result.err

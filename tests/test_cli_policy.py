@@ -38,6 +38,16 @@ def test_diff_toml_file(capsys, tmp_path):
     assert "1 ops differ" in result.out and "lower_precision_fp" in result.out and "fp32" in result.out
 
 
+@pytest.mark.parametrize("name", ["finetune [fast]", "[/]", "[bold]x"])
+def test_a_policy_name_is_printed_as_it_is_not_as_markup(capsys, tmp_path, name):
+    """Rich read a user's strings as markup: ``finetune [fast]`` printed as ``finetune``, ``[/]`` crashed."""
+    path = tmp_path / "named.toml"
+    path.write_text(mixprec.Policy.from_dict({"name": name, "base": "CPU", "ops": {"fp32": ["softmax"]}}).to_toml())
+    for argv in (["policy", "show", str(path)], ["policy", "diff", str(path), "CPU"]):
+        result = run(capsys, *argv)
+        assert result.code == 0 and name in result.out, result.err
+
+
 def test_diff_same(capsys):
     result = run(capsys, "policy", "diff", "CPU", "cpu")
     assert result.code == 0 and "same category" in result.out

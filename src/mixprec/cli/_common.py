@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,3 +44,11 @@ def out_dir(out: Path) -> Path:
     except OSError as error:
         raise CliError(f"--out {str(out)!r} cannot be made: {error.strerror or error}") from None
     return out
+
+
+def text(value: str) -> Any:
+    """``value`` as Rich text that is never read as markup: a user's name, path or module key printed in a table
+    (``model[v2].py``, a key or policy name holding ``[/]``, which Rich's markup dropped or refused)."""
+    from rich.text import Text
+
+    return Text(value)

@@ -240,7 +240,7 @@ def run_demo(steps: int, device: str, out: Path) -> None:
     console.print(_table(results, device))
     os.makedirs(out, exist_ok=True)
     plot(results, out / "demo.png")
-    console.print(f"Wrote {out / 'demo.png'}")
+    console.print(f"Wrote {out / 'demo.png'}", highlight=False, markup=False)
 
 
 def _where(device: str) -> str:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mixprec.cli._common import CliError, device_type, low_dtype, out_dir
+from mixprec.cli._common import CliError, device_type, low_dtype, out_dir, text
 from mixprec.cli._report import write_html
 from mixprec.diagnostics import Diagnosis, OpReport, diagnose
 
@@ -164,7 +164,7 @@ def _table(diagnosis: Diagnosis) -> Any:
         table.add_column(name, no_wrap=name != "op")
     for r in diagnosis.worst():
         table.add_row(
-            str(r.index), _op(r.op), r.module or "(model)", os.path.basename(r.source),
+            str(r.index), text(_op(r.op)), text(r.module or "(model)"), text(os.path.basename(r.source)),
             f"{_dtypes(r.input_dtypes)} -> {_dtypes(r.output_dtypes)}", str(r.casts), _fmt(r.max_abs_error),
             _fmt(r.max_rel_error), _fmt(r.overflow_fraction, ".1%"), _fmt(r.underflow_fraction, ".1%"),
             str(r.nonfinite_outputs),
@@ -185,7 +185,7 @@ def _fp8_table(diagnosis: Diagnosis) -> Any:
         table.add_column(name, no_wrap=True)
     for r in sites:
         table.add_row(
-            str(r.index), _op(r.op), r.module or "(model)", _SHORT.get(r.fp8_format or "", r.fp8_format),
+            str(r.index), text(_op(r.op)), text(r.module or "(model)"), _SHORT.get(r.fp8_format or "", r.fp8_format),
             _fmt(r.fp8_amax, ".3g"), _fmt(r.fp8_amax_weight, ".3g"), _fmt(r.fp8_saturated, ".2%"),
             _fmt(r.fp8_flushed, ".2%"), _fmt(r.fp8_error), _SHORT.get(r.fp8_grad_format or "", "-"),
             _fmt(r.fp8_grad_amax, ".3g"), _fmt(r.fp8_grad_saturated, ".2%"), _fmt(r.fp8_grad_flushed, ".2%"),
@@ -241,7 +241,7 @@ def run_doctor(target: str, device: str, dtype: str | None, policy: Path | None,
     report = diagnosis.to_json(target)
     (out / "report.json").write_text(json.dumps(_finite(report), indent=2, allow_nan=False))
     write_html(report, out / "report.html")
-    console.print(f"Wrote {out / 'report.json'} and {out / 'report.html'}")
+    console.print(f"Wrote {out / 'report.json'} and {out / 'report.html'}", highlight=False, markup=False)
 
 
 def _finite(value: Any) -> Any:

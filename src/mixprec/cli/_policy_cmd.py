@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from mixprec.cli._common import CliError, device_type, low_dtype
+from mixprec.cli._common import CliError, device_type, low_dtype, text
 from mixprec.engine import _devices
 
 
@@ -67,7 +67,7 @@ def show(device: str) -> None:
     if spec is not None:
         dtypes = ", ".join(_devices.dtype_name(d) for d in spec.supported_dtypes)
         title += f" (device {device}: default dtype {_devices.dtype_name(spec.default_dtype)}; supports {dtypes})"
-    table = Table(title=title, show_lines=True)
+    table = Table(title=text(title), show_lines=True)
     table.add_column("category", no_wrap=True)
     table.add_column("ops", justify="right")
     table.add_column("names")
@@ -76,7 +76,7 @@ def show(device: str) -> None:
     for category in Category:
         ops = policy.ops(category.value)
         if ops:
-            table.add_row(category.value, str(len(ops)), ", ".join(ops))
+            table.add_row(category.value, str(len(ops)), text(", ".join(ops)))
     console = _console()
     console.print(table)
     if policy.ops("fp8"):
@@ -100,18 +100,18 @@ def diff(a: str, b: str) -> None:
     if not changed:
         console.print(f"{names[0]} and {names[1]} put every op in the same category.", highlight=False, markup=False)
     else:
-        table = Table(title=f"{len(changed)} ops differ: {names[0]} vs {names[1]}")
+        table = Table(title=text(f"{len(changed)} ops differ: {names[0]} vs {names[1]}"))
         table.add_column("op")
-        table.add_column(names[0])
-        table.add_column(names[1])
+        table.add_column(text(names[0]))
+        table.add_column(text(names[1]))
         for op, (left, right) in changed.items():
-            table.add_row(op, left or "(unlisted)", right or "(unlisted)")
+            table.add_row(text(op), left or "(unlisted)", right or "(unlisted)")
         console.print(table)
     if recipes:
-        table = Table(title=f"fp8 recipes differ: {names[0]} vs {names[1]}")
+        table = Table(title=text(f"fp8 recipes differ: {names[0]} vs {names[1]}"))
         table.add_column("field")
-        table.add_column(names[0])
-        table.add_column(names[1])
+        table.add_column(text(names[0]))
+        table.add_column(text(names[1]))
         for field, (left, right) in recipes.items():
             table.add_row(field, repr(left), repr(right))
         console.print(table)
