@@ -180,6 +180,22 @@ def test_diagnose_runs_a_model_that_writes_a_weights_view_under_no_grad():
     assert diagnosis.first is None
 
 
+def test_an_inf_loss_counts_so_a_fix_that_leaves_it_is_no_fix():
+    """The loss is counted with the outputs and gradients: an overflow in ``loss_fn`` (outputs and gradients
+    finite) was reported as "fixes it: no inf/NaN left" for a module policy the loss never runs under."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+        model.bias.zero_()
+    proj = torch.full((8, 8), 10.0)
+    diagnosis = diagnose((model, (torch.rand(64, 8) + 1,), lambda out: (out @ proj).square().mean()), "cpu",
+                         torch.float16)  # fmt: skip
+    assert (diagnosis.nonfinite_reference, diagnosis.nonfinite_autocast) == (0, 1)
+    assert diagnosis.suggestion is not None and not diagnosis.suggestion.fixes
+    assert diagnosis.suggestion.nonfinite_after == 1
+
+
 def test_diagnose_leaves_the_model_as_it_found_it():
     """The doctor's runs move no buffer (BatchNorm's statistics), gradient, random generator or amax history:
     training after it is training without it."""

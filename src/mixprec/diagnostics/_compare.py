@@ -125,6 +125,8 @@ def run_once(target: Target, region: contextlib.AbstractContextManager[Any], rec
         with recorder.gradients() if isinstance(recorder, Recorder) else contextlib.nullcontext():
             loss.float().backward()
     bad = nonfinite([t for t in torch.utils._pytree.tree_flatten(output)[0] if isinstance(t, torch.Tensor)])
+    if isinstance(loss, torch.Tensor):  # (an inf loss from finite outputs: loss_fn overflowed, no layer did)
+        bad += nonfinite([loss])
     grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
     bad += nonfinite(list(grads.values()))
     records = recorder.records if isinstance(recorder, Recorder) else []
