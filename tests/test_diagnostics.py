@@ -196,6 +196,26 @@ def test_an_inf_loss_counts_so_a_fix_that_leaves_it_is_no_fix():
     assert diagnosis.suggestion.nonfinite_after == 1
 
 
+def test_an_overflow_written_by_indexed_assignment_is_named_there():
+    """``h[:, 0] = big`` writes an inf into a float16 ``h``: ``__setitem__`` returns None, and the recorder, which
+    kept calls with a floating output only, named the next op that read ``h``."""
+
+    class Assigns(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            h[:, 0] = x[:, 0] * 1e5  # (float32 here; 1e5 does not fit float16)
+            return self.b(h)
+
+    torch.manual_seed(0)
+    diagnosis = diagnose((Assigns(), (torch.rand(4, 8) + 1,), None), "cpu", torch.float16)
+    assert diagnosis.first is not None and diagnosis.first.op == "torch.Tensor.__setitem__", diagnosis.first
+    assert diagnosis.first.produced_nonfinite
+
+
 def test_diagnose_leaves_the_model_as_it_found_it():
     """The doctor's runs move no buffer (BatchNorm's statistics), gradient, random generator or amax history:
     training after it is training without it."""

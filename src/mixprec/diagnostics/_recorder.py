@@ -354,6 +354,8 @@ class Recorder(_Tap):
         if getattr(func, "__name__", "") in _SKIP:
             return out
         outputs = [t for t in _tensors(out) if t.is_floating_point()]
+        if out is None and args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+            outputs = [args[0]]  # (``h[i] = v``: __setitem__ returns None, and what it wrote is in h)
         if not outputs:
             return out
         self._record(func, inputs, outputs, casts.count - count, casts.created - created, received)
