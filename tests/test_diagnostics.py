@@ -117,6 +117,17 @@ def test_diagnose_healthy_model_has_small_errors():
     assert grads == {f"grad of {n}" for n, _ in model.named_parameters()}
 
 
+def test_gradient_rows_are_in_the_order_backward_made_them():
+    """"The first row in execution order": the gradient rows follow backward (the last layer's first), not
+    ``named_parameters`` (the first layer's first, which blamed the first layer for an overflow a later one
+    made)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    diagnosis = diagnose((model, (torch.randn(8, 4),), lambda out: out.float().sum()), "cpu", torch.bfloat16)
+    layers = [r.module for r in diagnosis.rows if r.phase == "backward"]
+    assert list(dict.fromkeys(layers)) == ["4", "2", "0"] and len(layers) == 6
+
+
 def test_dropout_masks_match_between_runs():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4)).train()

@@ -121,13 +121,25 @@ def run_once(target: Target, region: contextlib.AbstractContextManager[Any], rec
         torch.manual_seed(0)  # the same dropout masks in every run
         output = model(*inputs)
         loss = loss_fn(output) if loss_fn is not None else None
+    order: list[str] = []  # the parameters in the order backward finished their gradients
     if loss is not None:
-        with recorder.gradients() if isinstance(recorder, Recorder) else contextlib.nullcontext():
-            loss.float().backward()
+        hooks = [
+            p.register_post_accumulate_grad_hook(lambda _, name=name: order.append(name))
+            for name, p in model.named_parameters() if p.requires_grad
+        ]  # fmt: skip
+        try:
+            with recorder.gradients() if isinstance(recorder, Recorder) else contextlib.nullcontext():
+                loss.float().backward()
+        finally:
+            for hook in hooks:
+                hook.remove()
     bad = nonfinite([t for t in torch.utils._pytree.tree_flatten(output)[0] if isinstance(t, torch.Tensor)])
     if isinstance(loss, torch.Tensor):  # (an inf loss from finite outputs: loss_fn overflowed, no layer did)
         bad += nonfinite([loss])
-    grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    params = dict(model.named_parameters())
+    ranks = {name: i for i, name in enumerate(dict.fromkeys(order))}  # (rows in execution order: backward's)
+    names = sorted((n for n, p in params.items() if p.grad is not None), key=lambda n: ranks.get(n, len(ranks)))
+    grads = {n: params[n].grad.detach().float().clone() for n in names}  # type: ignore[union-attr]
     bad += nonfinite(list(grads.values()))
     records = recorder.records if isinstance(recorder, Recorder) else []
     return Run(records, bad, grads)
