@@ -227,6 +227,28 @@ def test_an_overflow_written_by_indexed_assignment_is_named_there():
     assert diagnosis.first.produced_nonfinite
 
 
+def test_a_mask_float32_holds_too_does_not_hide_a_gradient_overflow():
+    """A causal ``-inf`` mask is inf/NaN in float32 too: the forward still counts as clean for the gradient rows
+    (any inf/NaN in a forward row made every gradient row 'inherited', and the mask was named)."""
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scores = x @ x.transpose(-1, -2) / 100
+            scores = scores + torch.full((x.shape[0], x.shape[0]), float("-inf")).triu(1)
+            return self.head(torch.softmax(scores.float(), -1) @ x)
+
+    torch.manual_seed(0)
+    target = (Masked(), (torch.rand(512, 8) * 10,), lambda out: (out.float() * 100).sum())
+    diagnosis = diagnose(target, "cpu", torch.float16)  # (head.weight's gradient overflows float16)
+    assert diagnosis.first is not None and diagnosis.first.op == "grad of head.weight", diagnosis.first
+    assert diagnosis.suggestion is not None
+    assert diagnosis.suggestion.code == 'mixprec.set_module_policy(model.head, "fp32")'
+
+
 def test_diagnose_leaves_the_model_as_it_found_it():
     """The doctor's runs move no buffer (BatchNorm's statistics), gradient, random generator or amax history:
     training after it is training without it."""
