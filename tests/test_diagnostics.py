@@ -249,6 +249,22 @@ def test_a_mask_float32_holds_too_does_not_hide_a_gradient_overflow():
     assert diagnosis.suggestion.code == 'mixprec.set_module_policy(model.head, "fp32")'
 
 
+def test_the_suggested_code_reaches_the_module_whatever_its_name():
+    """The suggestion is Python that runs: a ModuleDict's key by subscript (``model.blocks[1]`` for a key "1" was
+    a KeyError), a name no attribute can spell through ``get_submodule`` (``model.attn-1`` was a syntax error)."""
+    from mixprec.diagnostics._doctor import _code
+
+    model = nn.Module()
+    model.blocks = nn.ModuleDict({"1": nn.Linear(2, 2), "attn-1": nn.Sequential(nn.Linear(2, 2)), "for": nn.ReLU()})
+    model.layers = nn.ModuleList([nn.Linear(2, 2)])
+    model.add_module("class", nn.Linear(2, 2))
+    assert _code(model, "blocks.1") == """mixprec.set_module_policy(model.blocks['1'], "fp32")"""
+    for path in ("blocks.1", "blocks.attn-1.0", "blocks.for", "layers.0", "class", ""):
+        code = _code(model, path)
+        expression = code.removeprefix("mixprec.set_module_policy(").removesuffix(', "fp32")')
+        assert eval(expression, {"model": model}) is model.get_submodule(path), code
+
+
 def test_diagnose_leaves_the_model_as_it_found_it():
     """The doctor's runs move no buffer (BatchNorm's statistics), gradient, random generator or amax history:
     training after it is training without it."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import keyword
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,9 +103,23 @@ def _ancestors(path: str) -> Iterator[str]:
     yield ""
 
 
-def _code(path: str) -> str:
-    """Python that reaches the module: ``model.decoder[0]`` for ``decoder.0``."""
-    access = "".join(f"[{part}]" if part.isdigit() else f".{part}" for part in path.split(".")) if path else ""
+def _code(model: torch.nn.Module, path: str) -> str:
+    """Python that reaches the module: ``model.decoder[0]`` for ``decoder.0`` (an index into a list-like
+    container), ``model.blocks["attn-1"]`` for a ``ModuleDict`` key, ``model.get_submodule(...)`` where a name
+    is no attribute Python can spell (``class``, ``attn-1`` outside a ModuleDict)."""
+    access, module = "", model
+    for part in path.split(".") if path else ():
+        child = module.get_submodule(part)
+        if part.isidentifier() and not keyword.iskeyword(part) and getattr(module, part, None) is child:
+            access += f".{part}"
+        elif isinstance(module, torch.nn.ModuleDict):
+            access += f"[{part!r}]"
+        elif part.isdigit() and isinstance(module, (torch.nn.Sequential, torch.nn.ModuleList)):
+            access += f"[{part}]"
+        else:
+            access = f".get_submodule({path!r})"
+            break
+        module = child
     return f'mixprec.set_module_policy(model{access}, "fp32")'
 
 
@@ -114,7 +129,7 @@ def _suggest(target: Target, first: OpReport, region: Any) -> Suggestion:
     for path in _ancestors(first.module):
         with mixprec.set_module_policy(model.get_submodule(path), "fp32"):
             after = run_once(target, region(), record=False).nonfinite
-        tried.append(Suggestion(_code(path), path, after == 0, after))
+        tried.append(Suggestion(_code(model, path), path, after == 0, after))
         if after == 0:
             break
     return tried[-1]  # the first that fixes it, else the root's (autocast off for the whole model)
