@@ -273,9 +273,10 @@ def test_diagnose_leaves_the_model_as_it_found_it():
     marker = torch.full_like(model[0].weight, 7.0)
     model[0].weight.grad = marker
     buffers = [b.clone() for b in model.buffers()]
-    x = torch.randn(8, 16)
+    x = torch.randn(8, 16, requires_grad=True)  # (an input that requires grad: its .grad is put back too)
     state = torch.get_rng_state()
     diagnose((model, (x,), lambda out: out.float().sum()), "cpu", torch.float16)
+    assert x.grad is None
     assert model[0].weight.grad is marker and torch.equal(marker, torch.full_like(marker, 7.0))
     assert all(p.grad is None for p in list(model.parameters())[1:])
     assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))

@@ -163,7 +163,7 @@ def diagnose(target: Target, device: str, dtype: torch.dtype, policy: mixprec.Po
     def region() -> mixprec.autocast:
         return autocast_region(device, dtype, policy)
 
-    with untouched(model):  # (its runs move no buffer, gradient, generator or amax history training reads)
+    with untouched(model, target[1]):  # (its runs move no buffer, gradient, generator or amax history)
         reference = run_once(target, contextlib.nullcontext())
         amp = run_once(target, region())
         rows = compare(reference, amp, dtype)
