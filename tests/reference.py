@@ -294,8 +294,9 @@ TRACED_DIFFERENTLY = {
 #: refused (``UnmodelledError``). Found by the differential tests.
 CALLS_BELOW_AUTOGRAD = {
     "aten::_trilinear": ("bmm",),  # bilinear's kernel
-    "aten::linalg_pinv": ("matmul",),  # pinverse's
-    "aten::linalg_matrix_sqrth": ("matmul",),  # torch 2.15's: its CPU kernel calls matmul
+    # (matmul decomposes into mm or bmm, which a policy may list where it leaves matmul out: CPU_DOCUMENTED)
+    "aten::linalg_pinv": ("matmul", "mm", "bmm"),  # pinverse's
+    "aten::linalg_matrix_sqrth": ("matmul", "mm", "bmm"),  # torch 2.15's: its CPU kernel calls matmul
     "aten::vdot": ("dot",),
     "aten::stack": ("cat",),
 }

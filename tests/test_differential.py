@@ -454,6 +454,16 @@ def test_a_documented_table_follows_the_device_it_runs_on() -> None:
     assert found.outputs[0].dtype == torch.float32
 
 
+def test_an_op_whose_kernel_calls_matmul_is_unmodelled_where_a_policy_lists_mm_alone() -> None:
+    """linalg_pinv's kernel calls matmul below autograd, and matmul decomposes into mm: under CPU_DOCUMENTED (mm
+    listed, matmul not) the interpreter cannot say what the op computes, and refuses the program. It ran such an
+    op in float32 where mixprec's mm ran in bfloat16 (found on torch 2.15 with linalg_matrix_sqrth)."""
+    region = Region("mixprec", (Call("aten::linalg_pinv", (Ref("leaf", 0),)),),
+                    policy=mixprec.policies.CPU_DOCUMENTED)  # fmt: skip
+    with pytest.raises(reference.UnmodelledError, match="calls a listed op below autograd"):
+        reference.Reference(Program((torch.randn(5, 5),), (region,)), _native(), _overloads).run()
+
+
 def test_an_installed_documented_policy_in_torch_regions() -> None:
     """Under install(CPU_DOCUMENTED), matmul is unlisted and decomposes into mm, which is cast (long fuzz)."""
     leaves = [*_weights(), torch.randn(6, 1)]
