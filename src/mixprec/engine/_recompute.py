@@ -61,15 +61,20 @@ def _reentrant_ctx(code: Any) -> Any:
     return None
 
 
+def _hooks_frame() -> Any:
+    """The non-reentrant checkpoint's frame behind the innermost saved-tensor hooks, or None (no hooks, or the
+    user's own)."""
+    hooks = _top_hooks(False)
+    return _frame_of(hooks[0]) if hooks is not None else None
+
+
 def _holder(forward: bool) -> Any:
     """The record of the checkpoint running this code: the non-reentrant one's frame behind the innermost
     saved-tensor hooks, else (hooks of the user's own on top, such as ``save_on_cpu``, or none) the reentrant
     one's ``ctx``, in its forward (grad off) or its backward."""
-    hooks = _top_hooks(False)
-    if hooks is not None:
-        frame = _frame_of(hooks[0])
-        if frame is not None:
-            return frame
+    frame = _hooks_frame()
+    if frame is not None:
+        return frame
     if forward and torch.is_grad_enabled():
         return None
     return _reentrant_ctx(_compat.checkpoint_function_code("forward" if forward else "backward"))
@@ -78,11 +83,9 @@ def _holder(forward: bool) -> Any:
 def recompute_holder() -> Any:
     """In backward: the record of the checkpoint whose forward is being recomputed now (under the non-reentrant
     one's recomputation hooks, or in the reentrant one's backward node), or None (a backward op, say)."""
-    hooks = _top_hooks(False)
-    if hooks is not None:
-        frame = _frame_of(hooks[0])
-        if frame is not None:
-            return frame
+    frame = _hooks_frame()
+    if frame is not None:
+        return frame
     if _compat.in_reentrant_recompute():
         return _reentrant_ctx(_compat.checkpoint_function_code("backward"))
     return None
@@ -169,10 +172,7 @@ def _leave(device_type: str, value: Any) -> None:
 def recomputing() -> bool:
     """In backward: whether the code running is a checkpoint's recompute of its forward (under the non-reentrant
     checkpoint's recomputation hooks, or in the reentrant one's backward node), not a backward op."""
-    hooks = _top_hooks(False)
-    if hooks is not None and _frame_of(hooks[0]) is not None:
-        return True
-    return _compat.in_reentrant_recompute()
+    return _hooks_frame() is not None or _compat.in_reentrant_recompute()
 
 
 def around(device_type: str) -> _state.Setting | None:
