@@ -436,6 +436,52 @@ def test_a_region_opened_inside_a_checkpoint_recomputes_the_code_around_it_with_
     _assert_equal(run(False), run(True))
 
 
+_REENTRANCY = [(False, False), (False, True), (True, False), (True, True), (True, True, True), (False, True, False)]
+
+
+@pytest.mark.parametrize("shape", ["outer-op-first", "inner-only", "region-inside-inner"])
+@pytest.mark.parametrize("levels", _REENTRANCY, ids=lambda r: "-".join("R" if e else "N" for e in r))
+def test_nested_checkpoints_recompute_under_the_forwards_setting(levels, shape):
+    """Checkpoints inside checkpoints, reentrant (R) or not (N), outermost first: a checkpoint whose forward runs
+    again in another's recompute records there too, and every enclosing checkpoint takes an inner one's record
+    (the inner ones recomputed ran torch's native policy: other gradients, silently; native autocast's are
+    equal)."""
+    model = _block()
+    heads = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in levels)  # (one shared: native's sums differ)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3), requires_grad=True)
+
+    def innermost(h):
+        if shape == "region-inside-inner":
+            with mixprec.autocast("cpu", policy=mixprec.policies.CPU, compute="native"):
+                h = model[0](h)
+            return model[1:](h)
+        return model(h)
+
+    def nest(depth, h, use_checkpoint):
+        if depth == len(levels):
+            return innermost(h)
+        if shape == "outer-op-first" or (depth == len(levels) - 1 and shape == "region-inside-inner"):
+            h = heads[depth](h)
+        inner = functools.partial(nest, depth + 1, use_checkpoint=use_checkpoint)
+        return checkpoint(inner, h, use_reentrant=levels[depth]) if use_checkpoint else inner(h)
+
+    def run(use_checkpoint):
+        model.zero_grad(set_to_none=True)
+        heads.zero_grad(set_to_none=True)
+        x.grad = None
+        with mixprec.autocast("cpu", policy=MM_FP32, compute="native"):
+            out = nest(0, x, use_checkpoint)
+        out.float().sum().backward()
+        grads = (p.grad for p in [*model.parameters(), *heads.parameters()])
+        return [out.detach(), x.grad, *(g for g in grads if g is not None)]  # (heads unused: None in both)
+
+    plain = run(False)
+    assert plain[0].dtype is F32
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "None of the inputs have requires_grad")  # (a reentrant one run in another)
+        _assert_equal(plain, run(True))
+
+
 # --- another torch version: the default table against torch's Autocast kernels ----------------------------
 
 

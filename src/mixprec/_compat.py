@@ -595,18 +595,27 @@ def raw_op(op: torch._ops.OpOverload) -> Callable[..., Any]:
 
 
 @functools.cache
-def checkpoint_function_code(name: str) -> types.CodeType:
-    """``CheckpointFunction.forward`` / ``.backward``'s code (the reentrant checkpoint)."""
-    from torch.utils.checkpoint import CheckpointFunction
+def checkpoint_codes() -> dict[types.CodeType, str]:
+    """The code of the Python frames that run a checkpointed forward, and what each runs: ``"forward"``
+    (``CheckpointFunction.forward``, the reentrant checkpoint's forward: its local ``ctx``), ``"backward"``
+    (``CheckpointFunction.backward``, its recompute: ``ctx``) and ``"unpack"`` (the non-reentrant checkpoint's
+    unpack hook, made in ``_checkpoint_hook.__init__``, which runs its recompute: the ``_CheckpointFrame`` it
+    closes over, ``frame``)."""
+    from torch.utils.checkpoint import CheckpointFunction, _checkpoint_hook
 
-    return getattr(CheckpointFunction, name).__code__  # type: ignore[no-any-return]
+    codes = {CheckpointFunction.forward.__code__: "forward", CheckpointFunction.backward.__code__: "backward"}
+    for const in _checkpoint_hook.__init__.__code__.co_consts:
+        if isinstance(const, types.CodeType) and const.co_name == "unpack_hook" and "frame" in const.co_freevars:
+            codes[const] = "unpack"
+    return codes
 
 
-def checkpoint_frame_of(hook: Any) -> Any:
-    """The ``_CheckpointFrame`` a non-reentrant checkpoint's saved-tensor hook closes over, or None.
+def checkpoint_frame_of(hook: Any) -> tuple[Any, bool] | None:
+    """The ``_CheckpointFrame`` a non-reentrant checkpoint's saved-tensor hook closes over, and whether the hook is
+    its recompute's (True) or its forward's (False); None for any other hook.
 
-    The pack hook closes over ``frame``; the recomputation hook over ``target_frame_ref`` (a weakref), and is
-    wrapped in ``torch._dynamo.disable`` (``__wrapped__``).
+    The forward's pack hook closes over ``frame``; the recomputation hook over ``target_frame_ref`` (a weakref),
+    and is wrapped in ``torch._dynamo.disable`` (``__wrapped__``).
     """
     while hasattr(hook, "__wrapped__"):
         hook = hook.__wrapped__
@@ -615,10 +624,10 @@ def checkpoint_frame_of(hook: Any) -> Any:
         return None
     for name, cell in zip(code.co_freevars, hook.__closure__, strict=False):
         if name == "frame":
-            found = cell.cell_contents
+            found, recomputing = cell.cell_contents, False
         elif name == "target_frame_ref":
-            found = cell.cell_contents()
+            found, recomputing = cell.cell_contents(), True
         else:
             continue
-        return found if type(found).__name__ == "_CheckpointFrame" else None
+        return (found, recomputing) if type(found).__name__ == "_CheckpointFrame" else None
     return None
