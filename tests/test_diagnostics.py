@@ -191,20 +191,33 @@ def test_diagnose_runs_a_model_that_writes_a_weights_view_under_no_grad():
     assert diagnosis.first is None
 
 
-def test_an_inf_loss_counts_so_a_fix_that_leaves_it_is_no_fix():
-    """The loss is counted with the outputs and gradients: an overflow in ``loss_fn`` (outputs and gradients
-    finite) was reported as "fixes it: no inf/NaN left" for a module policy the loss never runs under."""
+def test_an_overflow_in_loss_fn_is_named_there_and_the_suggestion_computes_the_loss_in_float32():
+    """An op of ``loss_fn``'s own: the loss is counted with the outputs and gradients (an overflow there was
+    reported as "fixes it" for a module policy the loss never runs under), the op is in module ``"(loss_fn)"``
+    (it was in the model's ``""``), and the suggestion, which re-runs, is the loss in float32 (it was a module
+    policy on the model, which left the inf)."""
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
     with torch.no_grad():
         model.weight.fill_(0.5)
         model.bias.zero_()
     proj = torch.full((8, 8), 10.0)
-    diagnosis = diagnose((model, (torch.rand(64, 8) + 1,), lambda out: (out @ proj).square().mean()), "cpu",
-                         torch.float16)  # fmt: skip
+
+    def loss_fn(out):
+        return (out @ proj).square().mean()
+
+    x = torch.rand(64, 8) + 1
+    diagnosis = diagnose((model, (x,), loss_fn), "cpu", torch.float16)
     assert (diagnosis.nonfinite_reference, diagnosis.nonfinite_autocast) == (0, 1)
-    assert diagnosis.suggestion is not None and not diagnosis.suggestion.fixes
-    assert diagnosis.suggestion.nonfinite_after == 1
+    assert diagnosis.first is not None and diagnosis.first.module == "(loss_fn)", diagnosis.first
+    suggestion = diagnosis.suggestion
+    assert suggestion is not None and suggestion.module == "(loss_fn)"
+    assert (suggestion.fixes, suggestion.nonfinite_after) == (True, 0)
+    with mixprec.autocast("cpu", dtype=torch.float16):  # the suggested code, as written, in the user's step
+        output = model(x)
+        scope = {"torch": torch, "loss_fn": loss_fn, "output": output}
+        exec(suggestion.code, scope)
+    assert scope["loss"].dtype is torch.float32 and bool(scope["loss"].isfinite())
 
 
 def test_an_overflow_written_by_indexed_assignment_is_named_there():

@@ -23,7 +23,7 @@ import torch
 
 from mixprec.cli._common import CliError, device_type, low_dtype, out_dir, text
 from mixprec.cli._report import write_html
-from mixprec.diagnostics import Diagnosis, OpReport, diagnose
+from mixprec.diagnostics import LOSS, Diagnosis, OpReport, diagnose
 
 
 @contextlib.contextmanager
@@ -197,9 +197,9 @@ def _summary(diagnosis: Diagnosis) -> list[str]:
     first: OpReport | None = diagnosis.first
     if first is None:
         return [f"No inf/NaN under autocast ({diagnosis.nonfinite_reference} in the float32 run)."]
+    where = "loss_fn" if first.module == LOSS else f"module {first.module or '(model)'!r}"
     lines = [
-        f"First inf/NaN: {first.op} (op #{first.index}, {first.phase}) in module "
-        f"{first.module or '(model)'!r} at {short(first.source)}",
+        f"First inf/NaN: {first.op} (op #{first.index}, {first.phase}) in {where} at {short(first.source)}",
     ]
     if not first.produced_nonfinite and diagnosis.nonfinite_autocast <= diagnosis.nonfinite_reference:
         lines.append(

@@ -3,11 +3,12 @@
 Imported only by the CLI (``mixprec doctor``) or on demand; ``import mixprec`` does not load it.
 """
 
-from mixprec.diagnostics._compare import OpReport, Run, compare, run_once
+from mixprec.diagnostics._compare import LOSS, OpReport, Run, compare, run_once
 from mixprec.diagnostics._doctor import SCHEMA, Diagnosis, Suggestion, diagnose
 from mixprec.diagnostics._recorder import CastCounter, OpRecord, Recorder
 
 __all__ = [
+    "LOSS",
     "SCHEMA",
     "CastCounter",
     "Diagnosis",

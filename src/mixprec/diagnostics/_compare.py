@@ -77,6 +77,9 @@ class Run:
 
 Target = tuple[torch.nn.Module, tuple[Any, ...], Callable[..., Any] | None]
 
+#: The module of the ops ``loss_fn`` runs itself (outside the model's modules).
+LOSS = "(loss_fn)"
+
 
 def check_target(where: str, target: object) -> None:
     """TypeError unless ``target`` is ``(model, example_inputs, loss_fn or None)``."""
@@ -120,7 +123,8 @@ def run_once(target: Target, region: contextlib.AbstractContextManager[Any], rec
     with torch.random.fork_rng(devices=[]), recorder, region:
         torch.manual_seed(0)  # the same dropout masks in every run
         output = model(*inputs)
-        loss = loss_fn(output) if loss_fn is not None else None
+        with recorder.outside(LOSS) if isinstance(recorder, Recorder) else contextlib.nullcontext():
+            loss = loss_fn(output) if loss_fn is not None else None
     order: list[str] = []  # the parameters in the order backward finished their gradients
     if loss is not None:
         hooks = [

@@ -9,6 +9,7 @@ Algorithm::
     for path in first.module, its parents ..., the root:       # innermost first
         with mixprec.set_module_policy(model.<path>, "fp32"): # the suggestion
             if run(target) under autocast has no inf/NaN: suggest it; stop
+    an op of loss_fn's own (module "(loss_fn)"): the loss in float32, autocast off, is the suggestion
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import mixprec
 from mixprec import _errors
 from mixprec._untouched import untouched
 from mixprec.diagnostics._compare import (
+    LOSS,
     OpReport,
     Target,
     autocast_region,
@@ -123,8 +125,26 @@ def _code(model: torch.nn.Module, path: str) -> str:
     return f'mixprec.set_module_policy(model{access}, "fp32")'
 
 
-def _suggest(target: Target, first: OpReport, region: Any) -> Suggestion:
+def _float_loss(target: Target, device: str) -> Target:
+    """``target`` with its loss computed in float32: autocast off, the output's floating tensors cast up."""
+    loss_fn = target[2]
+
+    def loss_in_float32(output: Any) -> Any:
+        up = torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, output
+        )
+        with torch.autocast(device, enabled=False):
+            return loss_fn(up)  # type: ignore[misc]
+
+    return (target[0], target[1], loss_in_float32)
+
+
+def _suggest(target: Target, first: OpReport, region: Any, device: str) -> Suggestion:
     model = target[0]
+    if first.module == LOSS:  # (no module policy reaches loss_fn's own ops)
+        after = run_once(_float_loss(target, device), region(), record=False).nonfinite
+        code = f'with torch.autocast("{device}", enabled=False): loss = loss_fn(output.float())'
+        return Suggestion(code, LOSS, after == 0, after)
     tried = []
     for path in _ancestors(first.module):
         with mixprec.set_module_policy(model.get_submodule(path), "fp32"):
@@ -173,7 +193,7 @@ def diagnose(target: Target, device: str, dtype: torch.dtype, policy: mixprec.Po
         first = first_nonfinite(rows)
         # where float32 makes as many (no op made one that float32 did not), no module policy can fix it
         blameless = first is not None and not first.produced_nonfinite and amp.nonfinite <= reference.nonfinite
-        suggestion = _suggest(target, first, region) if first is not None and not blameless else None
+        suggestion = _suggest(target, first, region, device) if first is not None and not blameless else None
     name = policy.name if policy is not None else _devices.spec(device).policy
     return Diagnosis(device, dtype, name, target[2] is not None, rows, reference.nonfinite, amp.nonfinite, first,
                      suggestion)  # fmt: skip

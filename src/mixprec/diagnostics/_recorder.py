@@ -332,6 +332,16 @@ class Recorder(_Tap):
         self._handles.clear()
         self._stack.clear()
 
+    @contextlib.contextmanager
+    def outside(self, label: str) -> Iterator[None]:
+        """While open, ops that run outside every module of the model are recorded in module ``label`` (the
+        doctor's ``"(loss_fn)"``), not in the model's ``""``."""
+        self._stack.append(label)
+        try:
+            yield
+        finally:
+            self._stack.remove(label)
+
     def _push(self, name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
             self._stack.append(name)
