@@ -220,6 +220,27 @@ def test_an_overflow_in_loss_fn_is_named_there_and_the_suggestion_computes_the_l
     assert scope["loss"].dtype is torch.float32 and bool(scope["loss"].isfinite())
 
 
+def test_a_nan_sample_in_both_runs_does_not_hide_an_overflow_after_it():
+    """One NaN sample in the batch reaches every op in both runs: the count alone ("its inputs held none") made
+    no op the producer, so the doctor named the first layer, which only passed the NaN on, and its suggestion
+    could never fix the run (the NaN stays under any policy)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    with torch.no_grad():
+        model[0].weight.fill_(1.0)
+        model[0].bias.zero_()
+        model[2].weight.fill_(2e3)  # (its output does not fit float16)
+    x = torch.rand(4, 8) + 1
+    x[0, 0] = float("nan")
+    diagnosis = diagnose((model, (x,), None), "cpu", torch.float16)
+    assert (diagnosis.nonfinite_reference, diagnosis.nonfinite_autocast) == (8, 32)
+    assert diagnosis.first is not None and diagnosis.first.module == "2" and diagnosis.first.produced_nonfinite
+    assert [r.produced_nonfinite for r in diagnosis.rows] == [False, False, True]
+    suggestion = diagnosis.suggestion
+    assert suggestion is not None and suggestion.module == "2"
+    assert (suggestion.fixes, suggestion.nonfinite_after) == (True, 8)  # (float32's own: the NaN sample's row)
+
+
 def test_an_overflow_written_by_indexed_assignment_is_named_there():
     """``h[:, 0] = big`` writes an inf into a float16 ``h``: ``__setitem__`` returns None, and the recorder, which
     kept calls with a floating output only, named the next op that read ``h``."""

@@ -161,6 +161,14 @@ def _error_of(got: torch.Tensor, ref: torch.Tensor | None) -> tuple[float | None
     return diff, diff / scale if scale > 0 else None
 
 
+def _new_nonfinite(got: torch.Tensor, ref: torch.Tensor | None) -> bool:
+    """Whether ``got`` holds inf/NaN where float32's ``ref`` holds a finite value."""
+    if ref is None or ref.shape != got.shape:
+        return False
+    got, ref = (t.float() if t.element_size() == 1 else t for t in (got, ref))  # (fp8 has no isfinite)
+    return bool((~torch.isfinite(got) & torch.isfinite(ref)).any())
+
+
 def _lost(ref: torch.Tensor | None, low: torch.dtype) -> tuple[float | None, float | None]:
     if ref is None or ref.numel() == 0:
         return None, None
@@ -188,6 +196,7 @@ def compare(reference: Run, amp: Run, low: torch.dtype) -> list[OpReport]:
     float32_made = {r.key for r in reference.records if r.produced_nonfinite}  # (not autocast's doing there)
     narrow = {str(d).removeprefix("torch."): d for d in _devices.LOW_PRECISION}
     rows = []
+    located = False  # whether a row made inf/NaN where float32's same op made none: the first such made them
     for rec in amp.records:
         ref = by_key.get(rec.key)
         got = rec.output if rec.output is not None else torch.empty(0)
@@ -200,6 +209,10 @@ def compare(reference: Run, amp: Run, low: torch.dtype) -> list[OpReport]:
             rec.casts, abs_err, rel_err, over, under, rec.nonfinite_inputs, rec.nonfinite_outputs,
             rec.produced_nonfinite and rec.key not in float32_made,
         )  # fmt: skip
+        if not located and rec.nonfinite_outputs and _new_nonfinite(got, ref):
+            # (inputs that hold inf/NaN in both runs, a NaN sample, hide an overflow from the count alone)
+            row.produced_nonfinite = located = True
+        located = located or row.produced_nonfinite
         stats = rec.fp8
         if stats is not None:
             row.fp8_format, row.fp8_amax, row.fp8_amax_weight = stats.format, stats.amax_input, stats.amax_weight

@@ -8,7 +8,7 @@ Algorithm::
     first     = first row that turned finite values into inf/NaN
     for path in first.module, its parents ..., the root:       # innermost first
         with mixprec.set_module_policy(model.<path>, "fp32"): # the suggestion
-            if run(target) under autocast has no inf/NaN: suggest it; stop
+            if run(target) under autocast has no more inf/NaN than float32's: suggest it; stop
     an op of loss_fn's own (module "(loss_fn)"): the loss in float32, autocast off, is the suggestion
 """
 
@@ -139,18 +139,20 @@ def _float_loss(target: Target, device: str) -> Target:
     return (target[0], target[1], loss_in_float32)
 
 
-def _suggest(target: Target, first: OpReport, region: Any, device: str) -> Suggestion:
+def _suggest(target: Target, first: OpReport, region: Any, device: str, floor: int) -> Suggestion:
+    """The suggestion for ``first``; it fixes the run if its re-run leaves no more inf/NaN than ``floor``, the
+    float32 run's (a NaN sample in the inputs stays under any policy)."""
     model = target[0]
     if first.module == LOSS:  # (no module policy reaches loss_fn's own ops)
         after = run_once(_float_loss(target, device), region(), record=False).nonfinite
         code = f'with torch.autocast("{device}", enabled=False): loss = loss_fn(output.float())'
-        return Suggestion(code, LOSS, after == 0, after)
+        return Suggestion(code, LOSS, after <= floor, after)
     tried = []
     for path in _ancestors(first.module):
         with mixprec.set_module_policy(model.get_submodule(path), "fp32"):
             after = run_once(target, region(), record=False).nonfinite
-        tried.append(Suggestion(_code(model, path), path, after == 0, after))
-        if after == 0:
+        tried.append(Suggestion(_code(model, path), path, after <= floor, after))
+        if after <= floor:
             break
     return tried[-1]  # the first that fixes it, else the root's (autocast off for the whole model)
 
@@ -193,7 +195,9 @@ def diagnose(target: Target, device: str, dtype: torch.dtype, policy: mixprec.Po
         first = first_nonfinite(rows)
         # where float32 makes as many (no op made one that float32 did not), no module policy can fix it
         blameless = first is not None and not first.produced_nonfinite and amp.nonfinite <= reference.nonfinite
-        suggestion = _suggest(target, first, region, device) if first is not None and not blameless else None
+        suggestion = None
+        if first is not None and not blameless:
+            suggestion = _suggest(target, first, region, device, reference.nonfinite)
     name = policy.name if policy is not None else _devices.spec(device).policy
     return Diagnosis(device, dtype, name, target[2] is not None, rows, reference.nonfinite, amp.nonfinite, first,
                      suggestion)  # fmt: skip
