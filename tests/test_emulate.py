@@ -639,3 +639,26 @@ def test_forward_mode_ad_in_an_emulated_region_gives_torch_autocasts_primal_and_
     native = run(lambda: torch.autocast("cpu", dtype=torch.bfloat16))
     ours = run(lambda: mixprec.autocast("cpu", compute="emulated"))
     assert all(a.dtype is b.dtype is torch.bfloat16 and torch.equal(a, b) for a, b in zip(native, ours, strict=True))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("op", ["linear", "matmul", "bmm"])
+def test_strided_nested_tensors_in_an_emulated_region_run_as_torch_autocast_runs_them(op: str, grad: bool) -> None:
+    """A strided nested tensor has no sizes for a written-out backward, nor a custom Function (linear raised
+    "NestedTensorImpl doesn't support sizes" where torch.autocast runs it): such a call runs as native runs it."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(8, 4)
+    a = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(4, 8)], requires_grad=grad)
+    b = torch.nested.nested_tensor([torch.randn(8, 3), torch.randn(8, 3)])
+    calls = {"linear": lambda: lin(a), "matmul": lambda: torch.matmul(a, b), "bmm": lambda: a.bmm(b)}
+    results = []
+    for region in (torch.autocast("cpu", dtype=torch.bfloat16), mixprec.autocast("cpu", compute="emulated")):
+        with torch.set_grad_enabled(grad), region:
+            out = calls[op]()
+        results.append(out)
+    native, emulated = results
+    assert emulated.dtype is native.dtype is torch.bfloat16 and emulated.is_nested
+    assert all(torch.equal(x, y) for x, y in zip(native.unbind(), emulated.unbind(), strict=True))
+    if grad:
+        emulated.to_padded_tensor(0.0).float().sum().backward()
+        assert a.grad is not None

@@ -262,6 +262,8 @@ def _generic(low: torch.dtype, func: Callable[..., Any], cast: tuple[Any, Any], 
     if not _all_low(iter(leaves), low):
         return func(*cast[0], **cast[1])
     where = [i for i, v in enumerate(leaves) if isinstance(v, _Tensor)]
+    if any(leaves[i].is_nested for i in where):
+        return func(*cast[0], **cast[1])  # (as in _eager)
     call = _Call(func, leaves, where, spec)
     tensors = [leaves[i] for i in where]
     out = target(func, *cast, low)
@@ -304,6 +306,8 @@ def _eager(low: torch.dtype, func: torch._ops.OpOverload, cast: tuple[Any, Any],
     if found is None:
         return _generic(low, func, (args, kwargs), original)
     kernel, params, tensors = found
+    if any(isinstance(t, _Tensor) and t.is_nested for t in tensors):
+        return func(*args, **kwargs)  # (a strided nested tensor has no sizes, nor a custom Function's backward)
     if not _all_low(iter(tensors), low, others=False):
         return func(*args, **kwargs)
     if not _needs_graph(tensors):
