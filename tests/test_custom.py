@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import types
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -169,3 +171,57 @@ def test_cast_passes_every_other_object_through_as_the_same_object(value):
 def test_custom_fwd_validates_device_type():
     with pytest.raises(ValueError, match="device_type"):
         mixprec.custom_fwd(device_type="gpu")
+
+
+class _LoggedMM(torch.autograd.Function):
+    """mm in forward and in backward, each dtype logged."""
+
+    log: ClassVar[dict[str, torch.dtype]] = {}
+
+    @staticmethod
+    @mixprec.custom_fwd(device_type="cpu")
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        y = torch.mm(x, w)
+        _LoggedMM.log["forward"] = y.dtype
+        return y
+
+    @staticmethod
+    @mixprec.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        gx = torch.mm(grad, w.t())
+        _LoggedMM.log["backward"] = gx.dtype
+        return gx.to(x.dtype), None
+
+
+class _Calls(torch.nn.Module):
+    opens = False  # whether forward opens a torch.autocast region itself
+
+    def forward(self, x, w):
+        with torch.autocast("cpu") if self.opens else contextlib.nullcontext():
+            return _LoggedMM.apply(x, w)
+
+
+@pytest.mark.parametrize("where", ["region", "install", "install-module-policy", "install-module-policy-inside"])
+def test_custom_bwd_after_the_region_is_gone_runs_forwards_policy(where):
+    """Backward after the region (and the installation) is gone runs under forward's setting: under ``install``
+    forward saved no setting (the installed one is found in the kernels), so backward ran the default policy."""
+    policy = mixprec.policies.CPU.with_ops(fp32=["mm"])
+    module, x, w = _Calls(), torch.randn(3, 4, requires_grad=True), torch.randn(4, 4)
+    _LoggedMM.log.clear()
+    if where == "region":
+        with mixprec.autocast("cpu", policy=policy):
+            y = module(x, w)
+    elif where == "install":
+        with mixprec.install(policy), torch.autocast("cpu"):
+            y = module(x, w)
+    elif where == "install-module-policy":
+        with mixprec.install(), mixprec.set_module_policy(module, policy), torch.autocast("cpu"):
+            y = module(x, w)
+    else:  # (the module is entered with autocast off: the kernels find its policy's installed setting)
+        module.opens = True
+        with mixprec.install(), mixprec.set_module_policy(module, policy):
+            y = module(x, w)
+    y.float().sum().backward()
+    assert _LoggedMM.log == {"forward": torch.float32, "backward": torch.float32}

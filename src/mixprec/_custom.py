@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mixprec import _autocast, _errors
-from mixprec.engine import _cast, _devices, _state
+from mixprec.engine import _cast, _devices, _installation, _recompute, _state
 
 
 def _check_callable(where: str, name: str, value: object) -> None:
@@ -56,7 +56,7 @@ def custom_fwd(
         ctx = args[0]
         enabled = torch.is_autocast_enabled(device_type)
         ctx._dtype = torch.get_autocast_dtype(device_type)
-        ctx._mixprec_setting = _state.get().active.get(device_type)
+        ctx._mixprec_setting = _setting_here(device_type)
         if cast_inputs is None:
             ctx._fwd_used_autocast = enabled
             return fwd(*args, **kwargs)
@@ -69,6 +69,18 @@ def custom_fwd(
             return fwd(*args, **kwargs)
 
     return decorate_fwd
+
+
+def _setting_here(device_type: str) -> Any:
+    """The setting the kernels run ops on ``device_type`` under here: the thread's; under ``install``, inside a
+    module under a module policy, that policy's installed setting; else a recompute's or the installed one (None:
+    torch's native behaviour). ``custom_bwd`` brings it back in backward, which may run after the region, or
+    the installation, is gone."""
+    state = _state.get()
+    modules = state.module_policies
+    if state.active.get(device_type) is None and modules and _installation.current is not None:
+        return _installation.installed_setting(device_type, modules[-1])
+    return _recompute.around(device_type)
 
 
 def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> Any:
