@@ -136,6 +136,18 @@ def test_export_of_a_region_whose_policy_it_would_drop_is_refused(strict):
         torch.export.export(_like(EditedNet), (X,), strict=strict)
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_export_of_a_region_with_a_module_policy_it_would_drop_is_refused(strict):
+    # Strict export traced the module policy's level through dynamo, which wrote nothing of it into the program:
+    # the program ran that linear in bfloat16 where eager runs it in float32, silently.
+    net = _like(MixprecNet)
+    submodule = next(m for m in net.modules() if isinstance(m, torch.nn.Linear))
+    with mixprec.set_module_policy(submodule, LINEAR_FP32), pytest.raises(
+        Exception, match=r"cannot be exported.*native categories.*mixprec.graph.apply_policy"
+    ):
+        torch.export.export(net, (X,), strict=strict)
+
+
 def test_apply_policy_gives_the_eager_and_native_outputs(rewritten, native):
     for r, e, n in zip(rewritten(X), _eager(), native(X), strict=True):
         assert r.dtype is e.dtype is n.dtype

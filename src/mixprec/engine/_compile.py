@@ -203,6 +203,8 @@ def module_token(device_type: str, policy: Policy) -> int:
     _guard.contact()
     policy = _compat.passed(policy)
     setting = _state.module_setting(device_type, policy, _recompute.around(device_type))
+    if not _native_equivalent(setting):  # (as plan(): strict export would write torch's native categories)
+        _guard.refuse_export(setting)
     _kernels.ensure(setting)
     _guard.guard_trace()
     _allow_in_graph()
