@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import pytest
@@ -100,6 +101,39 @@ def test_trace_with_the_cache_on_fails_as_native_does(grad):
             except Exception as error:  # a RuntimeError; torch 2.10's sanity check raises TracingCheckError
                 outcomes.append(f"{type(error).__name__}: {str(error).splitlines()[0].split('.')[0]}")
     assert outcomes[0] == outcomes[1]
+
+
+class _AddsNumbers(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) + 1, x * 2.5 + 1
+
+
+@pytest.mark.parametrize("region", ["policy", "emulated", "install"])
+def test_a_traced_graph_with_python_numbers_runs_in_a_region_of_mixprecs_own_kernels(region):
+    # The tracer records ``+ 1`` as a wrapped number, which TorchScript's autocast pass feeds to a cast op; torch
+    # unboxes it to an int on the way to mixprec's kernel there, which returned the int ("Unable to cast 1 to
+    # Tensor") where torch's returns the number's tensor.
+    torch.manual_seed(0)
+    module, x = _AddsNumbers(), torch.randn(4, 8)
+    traced = torch.jit.trace(module, x)
+    regions = {
+        "policy": lambda: mixprec.autocast("cpu", policy=mixprec.policies.CPU.with_ops(fp32=["linear"])),
+        "emulated": lambda: mixprec.autocast("cpu", compute="emulated"),
+        "install": lambda: contextlib.ExitStack(),
+    }
+    with contextlib.ExitStack() as stack:
+        if region == "install":
+            stack.enter_context(mixprec.install(mixprec.policies.CPU.with_ops(fp32=["linear"])))
+            stack.enter_context(torch.autocast("cpu"))
+        stack.enter_context(regions[region]())
+        eager = module(x)
+        for _ in range(3):  # (TorchScript's profiling executor optimises the graph on later runs)
+            for t, e in zip(traced(x), eager, strict=True):
+                assert t.dtype is e.dtype and torch.equal(t, e)
 
 
 def test_export_of_a_mixprec_forward_gives_the_eager_outputs():

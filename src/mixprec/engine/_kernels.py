@@ -247,6 +247,10 @@ def _register_jit_casts(key: str, device_type: str) -> None:
     _jit_keys.add(key)
 
 
+#: A Python number's dtype as a tensor, as torch wraps it (``scalar_to_tensor``).
+_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
 def _jit_cast_kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
     """A cast TorchScript's autocast pass wrote: where mixprec's rules are in force for the call (the thread's
     region has its own policy or compute, or ``mixprec.install`` puts a setting in force), the tensor as it
@@ -257,6 +261,10 @@ def _jit_cast_kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
     state = _state.get()
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(args[0], torch.Tensor):
+            # A traced ``x + 1``: torch unboxed the wrapped number, which neither redispatch nor a call takes
+            # for a Tensor; torch's kernel returns it as it came, the number's tensor (no cast applies to it).
+            return torch.tensor(args[0], dtype=_NUMBER_DTYPES[type(args[0])])
         if state.active.get(device_type) is not None or (
             _install.current is not None
             and _install.installed_setting(device_type, state.module_policies[-1] if state.module_policies else None)
