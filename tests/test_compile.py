@@ -7,6 +7,7 @@ counting eager backend (fast); the inductor cases check the values end to end.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 
 import pytest
@@ -612,3 +613,24 @@ def _compat_reason():
 
     _fastpath.extension()
     return _fastpath.disabled_reason()  # None where this machine builds the C++ kernels (MIXPREC_CPP=0: that)
+
+
+@pytest.mark.parametrize("where", ["region-policy", "module-policy"])
+def test_a_compiled_region_leaves_the_thread_holding_nothing(where):
+    # The graph's pushes marked the thread as holding mixprec state and its pops never unmarked it: every
+    # default-policy region in every thread then skipped its fast entry until this thread closed an eager region.
+    import threading
+
+    from mixprec.engine import _state
+
+    policy = mixprec.policies.CPU.with_ops(fp32=["linear"])
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+
+    def step(x):
+        with mixprec.autocast("cpu", policy=policy if where == "region-policy" else None):
+            return model(x)
+
+    with mixprec.set_module_policy(model[0], policy) if where == "module-policy" else contextlib.nullcontext():
+        compiled = _compile(step)
+        assert compiled(X).dtype is torch.float32
+    assert threading.get_ident() not in _state.holders

@@ -98,6 +98,7 @@ def pop(device_type: str, token: int) -> None:
     setting = _tokens[token]
     if setting is None:
         state.active.pop(device_type, None)
+        _state.release(state)
     else:
         state.active[device_type] = setting
 
@@ -110,7 +111,9 @@ def push_module(token: int) -> None:
 
 
 def pop_module() -> None:
-    _state.get().module_policies.pop()
+    state = _state.get()
+    state.module_policies.pop()
+    _state.release(state)
 
 
 def _allow_in_graph() -> None:
