@@ -382,6 +382,25 @@ def test_torch_save_of_an_autocast_module_after_it_ran():
     assert repr(copied) == repr(region)
 
 
+def test_a_pickled_region_keeps_the_cache_flag_it_read_as_torch_autocast_does():
+    # One object serves a call that read cache_enabled=None as False and a later call that passed False: its
+    # pickle gave None, read again as True on loading (torch's region keeps the flag it read).
+    before = torch.is_autocast_cache_enabled()
+    try:
+        torch.set_autocast_cache_enabled(False)
+        mixprec.autocast("cpu")
+        theirs = torch.autocast("cpu")
+        torch.set_autocast_cache_enabled(True)
+        region = mixprec.autocast("cpu", cache_enabled=False)
+        for again in (pickle.loads(pickle.dumps(region)), copy.deepcopy(region)):
+            assert again._cache_enabled is False
+            with again:
+                assert not torch.is_autocast_cache_enabled()
+        assert pickle.loads(pickle.dumps(theirs))._cache_enabled is False
+    finally:
+        torch.set_autocast_cache_enabled(before)
+
+
 def test_a_model_with_module_policies_pickles_and_deep_copies():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     mixprec.set_module_policy(model[1], "fp32")

@@ -167,7 +167,7 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         compute: str = "auto",
     ) -> None:
         self._policy, self._compute, self.device = policy, compute, device_type
-        self._args = (enabled, cache_enabled)  # as given: a pickled region is made again from them (__reduce__)
+        self._args = (enabled, cache_enabled)  # as given: a pickled region is made again from enabled (__reduce__)
         self._setting = None
         self._plain = self._native_only = False
         self._unframed: dict[int, tuple[bool, torch.dtype, bool]] = {}  # {0: torch's state} while a level is open
@@ -328,9 +328,11 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
         return region
 
     def __reduce__(self) -> tuple[Any, ...]:
-        """Pickled as the arguments it was made with (a region holds no state between entries)."""
-        enabled, cache_enabled = self._args
-        arguments = (self.device, self.fast_dtype, enabled, cache_enabled, self._policy, self._compute)
+        """Pickled as the arguments it was made with (a region holds no state between entries), its cache flag
+        as it was read when made, as a pickled ``torch.autocast`` keeps it (one object serves the calls that
+        read ``cache_enabled=None`` as a flag and those that passed the same flag, ``_Made``)."""
+        enabled = self._args[0]
+        arguments = (self.device, self.fast_dtype, enabled, self._cache_enabled, self._policy, self._compute)
         return (_remake, (type(self), *arguments))
 
     def __repr__(self) -> str:
