@@ -268,6 +268,11 @@ def allow_in_graph(function: Callable[..., Any]) -> None:
     torch._dynamo.allow_in_graph(function)
 
 
+#: ``torch._C._are_functorch_transforms_active()``: whether a torch.func transform is running (its dynamic-layer
+#: keys are in the thread's included set; 2.10 to 2.15 alike).
+functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+
+
 def no_autograd_function() -> str | None:
     """Why a kernel cannot apply a custom autograd Function now, or None where it can:
 
@@ -276,7 +281,7 @@ def no_autograd_function() -> str | None:
       above the Autocast keys;
     * forward-mode AD is on (``torch.autograd.forward_ad._current_level``, -1 outside ``dual_level``): a
       Function needs a ``jvp`` for dual inputs."""
-    if torch._C._are_functorch_transforms_active():
+    if functorch_active():
         return "a torch.func transform (grad, vmap, jacrev, ...)"
     if torch.autograd.forward_ad._current_level >= 0:
         return "forward-mode AD (torch.autograd.forward_ad)"

@@ -9,7 +9,8 @@
 //     whether weights go through the cast cache) or none at all (``THROUGH``: torch's fallthrough);
 //   - the call is in forward (no autograd graph task), with no saved-tensor hooks and grad mode on,
 //     inference_mode or a plain no_grad (``outside_checkpoints``), so that no checkpoint has to record it;
-//   - no key of a tracer, a Python mode or a functorch transform is in the call's key set.
+//   - no key of a tracer, a Python mode or a functorch transform is in the call's key set, and no torch.func
+//     transform is running (``functorch_active``: the call may be another op's piece).
 //
 // Everything else calls the Python kernel, the one implementation of every rule; the fast path repeats only
 // ``_rules.runner``'s cast and ``_plan``'s eligibility test, and a test holds it to the Python kernel op by op.
@@ -248,6 +249,15 @@ bool outside_checkpoints() {
   return c10::AutogradState::get_tls_state().get_fw_grad_mode();
 }
 
+// Whether a torch.func transform is running (its dynamic-layer keys in the thread's included set, as
+// torch._C._are_functorch_transforms_active tests): the call may be a piece of another op that the transform
+// broke up above the Autocast key, which the Python kernel decides on (``_rules.transform_guard``).
+bool functorch_active() {
+  const c10::DispatchKeySet included = c10::impl::tls_local_dispatch_key_set().included_;
+  return included.has(c10::DispatchKey::FuncTorchDynamicLayerFrontMode) ||
+         included.has(c10::DispatchKey::FuncTorchDynamicLayerBackMode);
+}
+
 struct Kernel final : c10::OperatorKernel {
   Kernel(int64_t number, size_t slot, c10::DeviceType device, c10::DispatchKey key, c10::SafeKernelFunction python)
       : number(number),
@@ -269,7 +279,7 @@ struct Kernel final : c10::OperatorKernel {
     }
     const Plan plan = table->plans[number];
     if (plan.kind == SLOW || !(ks & avoid).empty() || torch::autograd::get_current_graph_task_id() >= 0 ||
-        !outside_checkpoints() || !at::SavedTensorDefaultHooks::get_tls_state().stack.empty()) {
+        !outside_checkpoints() || !at::SavedTensorDefaultHooks::get_tls_state().stack.empty() || functorch_active()) {
       ++python_calls;
       return python.callBoxed(op, ks, stack);
     }

@@ -11,7 +11,7 @@ commonest call itself and hands every other call to the Python kernel below it::
               table if it held no mixprec state then (``set_holders``), else goes to Python
     fast    = plans[op] is a plain cast or none, in forward, no saved-tensor hooks, grad on, inference_mode
               or a no_grad outside any custom Function's forward (so no checkpoint records the call), and
-              no tracer, Python mode or functorch key in the call's key set
+              no tracer, Python mode or functorch key in the call's key set, no torch.func transform running
     fast:   with the Autocast key excluded, cast the eligible tensors (weights through the cast caches, as
             ``_cast.cast_weight``) and call the op; or, without a plan, redispatch below the key
     else:   the Python kernel, as if the C++ kernel were not there

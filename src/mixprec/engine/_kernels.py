@@ -59,7 +59,11 @@ def registered(device_type: str) -> frozenset[Op]:
 def needed(setting: _state.Setting) -> frozenset[Op]:
     """The overloads that need a mixprec kernel for ``setting``."""
     table, changed = _tables.effective(setting.policy, setting.device_type)
-    return changed | {op for op, category in table.items() if category in _REGION_CASTS and _emulated(setting, op)}
+    needs = changed | {op for op, category in table.items() if category in _REGION_CASTS and _emulated(setting, op)}
+    if _tables.transform_split(setting.policy, setting.device_type):  # (their kernels refuse under torch.func)
+        group = table.keys() | _tables.native(setting.device_type).keys()
+        needs |= {op for op in group if op.overloadpacket.__name__ in _tables.TRANSFORM_GROUP}
+    return needs
 
 
 def _emulated(setting: _state.Setting, op: Op) -> bool:
@@ -176,10 +180,13 @@ def _entries(
     """The runners of ``table``'s ops; an op the setting neither moves from torch's category (``changed``) nor
     emulates runs as native, with torch's cache rules: as it would if no region had registered its kernel."""
     out: dict[Op, Entry] = {}
+    split = _tables.transform_split(policy, device_type) if setting is not None else {}
     for op, category in table.items():
         emulate = setting is not None and category in _REGION_CASTS and _emulated(setting, op)
         as_native = not emulate and op not in changed
         out[op] = _rules.runner(op, device_type, category, rule_for(policy, op, category), emulate, as_native)
+        if split and op.overloadpacket.__name__ in split:
+            out[op] = _rules.transform_guard(op, category, out[op], split)
     return out
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mixprec import _compat, _errors
-from mixprec.engine import _cast, _emulate, _fp8, _plan, _recompute
+from mixprec.engine import _cast, _emulate, _fp8, _plan, _recompute, _tables
 from mixprec.policies import Category
 from mixprec.policies._category import Action
 from mixprec.policies._recipe import TENSORWISE, Fp8Recipe
@@ -208,6 +208,34 @@ def runner(op: Op, device_type: str, category: Category, rule: Rule, emulate: bo
 
     run.cast_plan = (fixed, cached, as_native)  # type: ignore[attr-defined]  # what the C++ kernels do (_fastpath)
     return run
+
+
+def transform_guard(op: Op, category: Category, run: Runner, split: dict[str, str]) -> Runner:
+    """``run``, refused under a torch.func transform: ``split`` (``_tables.transform_split``) gives the ops
+    torch.func breaks into one another different categories, so the call may stand for another op whose
+    category it would not follow. ``linear`` is no op's piece, and an fp8 op refuses transforms itself; the C++
+    kernels send every call under a transform here."""
+    if op.overloadpacket.__name__ == "linear" or category.action is Action.SCALED_MM:
+        return run
+    active = _compat.functorch_active
+
+    def guarded(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if active():
+            raise NotImplementedError(
+                _errors.message(
+                    f"{op.name()} cannot follow this policy under a torch.func transform",
+                    f"torch.func breaks {', '.join(_tables.TRANSFORM_GROUP)} into one another before autocast sees "
+                    "them, so this call may be another op's piece, and the policy gives those ops different "
+                    "categories",
+                    received={"categories": split},
+                    fix="Give them one category (policy.with_ops(fp32=[...]) with all of them), or call the "
+                    "transform outside the region.",
+                )
+            )
+        return run(args, kwargs)
+
+    guarded.cast_plan = getattr(run, "cast_plan", None)  # type: ignore[attr-defined]  # (None: no plain cast)
+    return guarded
 
 
 #: How the kernels carry out each action (a ``ban`` needs the policy's advice: ``banned``).

@@ -143,6 +143,37 @@ def effective(policy: Policy, device_type: str) -> tuple[dict[Op, Category], fro
     return _by_policy.put((device_type, policy), (out, changed))
 
 
+#: Ops that torch.func breaks into one another above the Autocast keys, which then never see the op made:
+#: ``linear`` into ``matmul`` or ``addmm`` (grad, jvp; vmap without a bias), ``matmul`` into ``mm``, ``bmm``, ``mv``
+#: or ``dot`` (grad, jvp), vmap's ``mm`` and ``bmm`` into ``matmul``. Under a transform a call of one of them may
+#: stand for another (tests/test_interop.py probes which ops the transforms bypass, on each release).
+TRANSFORM_GROUP = ("linear", "matmul", "mm", "bmm", "addmm", "mv", "dot")
+
+
+def transform_split(policy: Policy, device_type: str) -> dict[str, str]:
+    """The category ``policy`` gives each ``TRANSFORM_GROUP`` op with a kernel on the device (``"unlisted"``: none
+    of its own), by op name, where they are not all one and not those of its base device's default policy
+    (which the transforms treat as torch's native autocast treats them: ``dot`` is ``promote`` on CUDA); else
+    ``{}``."""
+    table, _ = effective(policy, device_type)
+    here = native(device_type)
+    mine = _group(table, here)
+    if len(set(mine.values())) < 2:
+        return {}
+    default, _ = effective(default_policy(_reference_device(policy, device_type)), device_type)
+    return {} if mine == _group(default, here) else mine
+
+
+def _group(table: dict[Op, Category], here: dict[Op, Category]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for op in table.keys() | here.keys():
+        name = op.overloadpacket.__name__
+        if name in TRANSFORM_GROUP:
+            category = table.get(op)
+            found.setdefault(name, "unlisted" if category is None else category.value)
+    return found
+
+
 def _reference_device(policy: Policy, device_type: str) -> str:
     """The device whose native kernels a policy's unchanged entries follow: its base's (CUDA -> cuda)."""
     for name, spec in _devices.DEVICES.items():
