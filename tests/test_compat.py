@@ -312,3 +312,19 @@ def test_version_sensitive_internals_are_reached_through_compat_only():
                 if name in code:
                     found.append(f"{path.relative_to(ROOT)}:{number}: {name}")
     assert not found, "use mixprec._compat for:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, RuntimeError])
+def test_an_interrupted_extension_build_is_built_again_by_the_next_load(tmp_path, monkeypatch, raised):
+    # torch records a build as made before running it: after a Ctrl-C mid-build, the next load in the process
+    # built nothing and failed to import the library ("cannot open shared object file"), for good.
+    from torch.utils import cpp_extension
+
+    def interrupted(name, *args, **kwargs):
+        cpp_extension.JIT_EXTENSION_VERSIONER.entries[name] = object()  # (as _jit_compile records it first)
+        raise raised("stopped mid-build")
+
+    monkeypatch.setattr(cpp_extension, "load", interrupted)
+    with pytest.raises(raised):
+        _compat.load_extension("mixprec_interrupted_test", "unused.cpp", tmp_path)
+    assert "mixprec_interrupted_test" not in cpp_extension.JIT_EXTENSION_VERSIONER.entries

@@ -445,7 +445,9 @@ def load_extension(name: str, source: str, directory: Path) -> Any:
     SIGTERM, a closed terminal: anything that skips its ``finally``) leaves it behind. So the load holds an OS
     lock of its own first (``_build_lock``), which dies with its process: holding it, no live process is loading
     there, and a ``lock`` file found is stale and removed. Where no OS lock can be had, a ``lock`` older than any
-    build takes is removed instead."""
+    build takes is removed instead. A load that fails or is interrupted forgets torch's record of the build
+    (``cpp_extension.JIT_EXTENSION_VERSIONER``, a dict ``entries`` by name on every supported release), so that
+    another load in the process builds again."""
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -456,7 +458,15 @@ def load_extension(name: str, source: str, directory: Path) -> Any:
                 lock.unlink()
         except FileNotFoundError:
             pass
-        return cpp_extension.load(name, [source], extra_cflags=["-O2"], build_directory=str(directory), verbose=False)
+        try:
+            return cpp_extension.load(
+                name, [source], extra_cflags=["-O2"], build_directory=str(directory), verbose=False
+            )
+        except BaseException:
+            # torch counts a build as made before it runs (``JIT_EXTENSION_VERSIONER``): after one interrupted
+            # (Ctrl-C), a load again in this process would build nothing and fail to import the library
+            cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)
+            raise
 
 
 @contextlib.contextmanager
