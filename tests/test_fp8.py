@@ -1227,3 +1227,26 @@ class _Forgetful(dict):  # type: ignore[type-arg]
 
     def __setitem__(self, key: object, value: object) -> None:
         pass
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "delayed"])
+@pytest.mark.parametrize("shape", [(16, 32), (2, 8, 32)], ids=["2d", "3d"])
+def test_an_in_place_op_on_an_fp8_layers_output_works_as_natively(shape, scaling):
+    """The layer's output was a view made inside its autograd Function, which refuses in-place ops ("Output 0 of
+    _Fp8Linear is a view and is being modified inplace"), where torch.autocast's linear allows ``y += 1``."""
+    policy = mixprec.policies.FP8.with_fp8_recipe(scaling=scaling)
+    results = []
+    for in_place in (False, True):
+        mixprec.engine.reset()  # (the delayed recipe's histories: each run starts alike)
+        torch.manual_seed(0)
+        layer, x = torch.nn.Linear(32, 32), torch.randn(*shape, requires_grad=True)
+        with mixprec.autocast("cpu", policy=policy):
+            y = layer(x)
+            if in_place:
+                y += 1.0
+            else:
+                y = y + 1.0
+        y.float().sum().backward()
+        results.append((y.detach(), x.grad, layer.weight.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -273,7 +273,7 @@ class _Fp8Linear(torch.autograd.Function):
             ctx.save_for_backward(xq if need_w else None, sx, wq if need_x else None, sw)
         ctx.recipe, ctx.shape, ctx.has_bias, ctx.site, ctx.source = recipe, x.shape, bias is not None, site, source
         ctx.dtypes = (_grad_dtype(x), _grad_dtype(weight), bias.dtype if bias is not None else None)
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+        return y  # (2-D: ``linear`` gives it x's leading dimensions outside, so the output is no view of it)
 
     @staticmethod
     @once_differentiable  # (its GEMMs take quantised copies: a double backward raises, not silently zero)
@@ -399,4 +399,7 @@ def linear(
     (``_amax``)."""
     if source is weight or _compat.tracing():  # (a compiled graph keeps nothing per weight; and dynamo refuses
         source = None  # a tensor given to a Function twice)
-    return _Fp8Linear.apply(x, weight, bias, recipe, out_dtype, source)  # type: ignore[no-any-return]
+    y = _Fp8Linear.apply(x, weight, bias, recipe, out_dtype, source)
+    # An autograd Function's output that is a view refuses in-place ops (``y += 1`` after a layer, as native
+    # allows), and FSDP2 warns of a module returning one: shaped out here, by a view autograd knows.
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])  # type: ignore[no-any-return]
