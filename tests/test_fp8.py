@@ -1250,3 +1250,20 @@ def test_an_in_place_op_on_an_fp8_layers_output_works_as_natively(shape, scaling
         results.append((y.detach(), x.grad, layer.weight.grad))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_process_group_given_for_a_weight_goes_with_the_weight():
+    """``AmaxHistory(model, process_group=...)`` kept each parameter's group by ``id()`` until a call site of it
+    ran and was freed: a bias, a norm's weight or a model that never ran left its entry, and a later tensor
+    reusing the id took the group, whose collectives the other ranks would never join."""
+    import gc
+
+    from mixprec.engine import _amax
+
+    weight = torch.nn.Parameter(torch.zeros(4, 4))
+    key = id(weight)
+    _amax._group(weight, "a group")
+    assert _amax._groups[key] == "a group"
+    del weight
+    gc.collect()
+    assert key not in _amax._groups

@@ -12,6 +12,7 @@ ranks); without a group (the negative control) the histories differ, as the data
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import mixprec
+from mixprec.engine import _amax
 from test_scaler_distributed import _loopback_interface
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available in this build")
@@ -110,7 +112,10 @@ def _worker(rank: int, case: str, scaling: str, agree: bool, out_dir: str, resum
                             timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
     try:
         record = _train(case, scaling, agree, resume)
-        torch.save({"params": record["params"], "amax": record["amax"]}, Path(out_dir) / f"rank{rank}.pt")
+        gc.collect()  # (the model is gone: so are the process groups its weights were given, _amax._group)
+        left = torch.tensor(len(_amax._groups))
+        torch.save({"params": record["params"], "amax": record["amax"], "groups_left": left},
+                   Path(out_dir) / f"rank{rank}.pt")  # fmt: skip
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -169,6 +174,7 @@ def test_delayed_amax_histories_agree_across_ranks_with_a_process_group(case: st
     """Under FSDP2 the sites are FSDP2's gathered weights, not the sharded parameters the model registers (which
     ``AmaxHistory`` is given): their group and their names are found through FSDP2."""
     records = _run(case, "delayed", agree=True, tmp_path=tmp_path)
+    assert [int(r["groups_left"]) for r in records] == [0] * WORLD_SIZE  # (none kept by a freed weight's id)
     histories = [r["amax"] for r in records]
     assert sorted(histories[0]) == sorted(histories[1]) and histories[0]
     for key in histories[0]:  # (this step's pending amaxes are each rank's own until the next step reduces them)

@@ -104,6 +104,15 @@ _sites: dict[int, Site] = {}
 _groups: dict[int, Any] = {}
 
 
+def _group(weight: torch.Tensor, group: Any) -> None:
+    """``weight``'s sites agree over ``group``: kept by the weight's id until the weight is freed (an id a later
+    tensor reuses must not hand it a group, whose collectives the other ranks would never join)."""
+    key = id(weight)
+    if key not in _groups:
+        weakref.finalize(weight, _groups.pop, key, None)
+    _groups[key] = group
+
+
 def site(weight: torch.Tensor, steps: int) -> Site | None:
     """The weight's site (made on first use), rolled to the weight's current version; None for a weight computed
     by the step's autograd graph (``computed``), which is scaled dynamically."""
@@ -181,7 +190,8 @@ def _adopt(weight: torch.Tensor, made: Site) -> None:
         for registered, unsharded in _compat.fsdp2_unsharded(owner.model).items():
             if unsharded is weight:
                 if owner.group is not None:
-                    made.group = _groups[id(weight)] = owner.group
+                    made.group = owner.group
+                    _group(weight, owner.group)
                 loaded = owner._loaded.pop(registered, None)
                 if loaded is not None:
                     made.history, made.pending, made.filled = loaded
@@ -258,7 +268,7 @@ class AmaxHistory:
             for param in model.parameters():
                 for weight in (param, unsharded.get(id(param))):  # (FSDP2 computes with the one it gathers)
                     if weight is not None:
-                        _groups[id(weight)] = group
+                        _group(weight, group)
                         if id(weight) in _sites:
                             _sites[id(weight)].group = group
         self.model = model
