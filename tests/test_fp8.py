@@ -1262,8 +1262,29 @@ def test_a_process_group_given_for_a_weight_goes_with_the_weight():
 
     weight = torch.nn.Parameter(torch.zeros(4, 4))
     key = id(weight)
-    _amax._group(weight, "a group")
-    assert _amax._groups[key] == "a group"
+    _amax._group(weight, "a group", 0)
+    assert _amax._groups[key] == ("a group", 0)
     del weight
     gc.collect()
     assert key not in _amax._groups
+
+
+@pytest.mark.parametrize("other_site", [0, 3], ids=["same-site", "another-site"])
+def test_ranks_rolling_different_call_sites_raise_instead_of_pairing_their_amaxes(monkeypatch, other_site):
+    """The roll's collective paired amaxes by call order: a rank that ran another layer (a branch some ranks take,
+    DDP's find_unused_parameters) silently scaled one layer by another's amaxes, or, with a collective of another
+    size, crashed in gloo. Each now carries its site's place among the model's parameters."""
+    from mixprec.engine import _amax
+
+    theirs = torch.tensor([5.0, 1.0, 0.5, other_site, -other_site])  # (the other rank's pending amaxes, site)
+
+    def all_reduce(tensor, op=None, group=None):
+        tensor.copy_(torch.maximum(tensor, theirs))
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    pending = torch.tensor([2.0, 3.0, 0.25])
+    if other_site == 0:
+        assert torch.equal(_amax._agree(pending, 0, "group"), torch.tensor([5.0, 3.0, 0.5]))
+    else:
+        with pytest.raises(RuntimeError, match=r"different call sites.*same fp8 layers.*Received: sites=\(0, 3\)"):
+            _amax._agree(pending, 0, "group")

@@ -17,7 +17,9 @@ weight into the same tensor and keeps its version counter, so the version alone 
                     current                 otherwise (each rank its own)          # the first step: dynamic
 
 The only collective is the roll's, once per site and step, at the site's first call of the step (in forward,
-where every rank calls the sites in the same order): none runs in backward, beside DDP's and FSDP's own.
+where every rank must call the sites in the same order: each carries its site's place among the model's
+parameters, and ranks that meet with different sites raise, ``_agree``): none runs in backward, beside DDP's
+and FSDP's own.
 Within a step the scales do not move, so a checkpoint's recompute (in the same step) quantises exactly as
 the forward did: gradients with checkpointing equal those without it. A weight that never changes (frozen)
 stays on the dynamic scale, and so, with a warning, does a weight that autograd computes in each step (a
@@ -75,12 +77,13 @@ class Site:
     pending: torch.Tensor  # float32, 3: this step's largest amaxes
     filled: int = 0  # steps recorded so far (the history holds min(filled, steps) of them)
     group: Any = None  # the process group amaxes agree over, or None
+    tag: int = -1  # with a group: the weight's place among its model's parameters, the same on every rank
 
     def roll(self, version: tuple[int, int]) -> None:
         if version == self.version:
             return
         if self.group is not None:
-            torch.distributed.all_reduce(self.pending, op=torch.distributed.ReduceOp.MAX, group=self.group)
+            self.pending = _agree(self.pending, self.tag, self.group)
         self.history = torch.cat([self.history[:, 1:], self.pending.reshape(3, 1)], dim=1)
         self.pending = torch.zeros_like(self.pending)
         self.filled += 1
@@ -98,19 +101,40 @@ class Site:
         return current
 
 
+def _agree(pending: torch.Tensor, tag: int, group: Any) -> torch.Tensor:
+    """``pending``'s maximum over the ranks of ``group``, which must all be rolling the site ``tag``: one
+    collective, of one size, whatever the site (a rank that ran other layers meets it with another site, and
+    every rank raises, where their amaxes would pair up silently)."""
+    reduced = torch.cat([pending, torch.tensor([tag, -tag], dtype=pending.dtype, device=pending.device)])
+    torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, group=group)
+    if reduced[3] != -reduced[4]:
+        raise RuntimeError(
+            _errors.message(
+                "fp8 delayed scaling: the ranks reduced the amax histories of different call sites",
+                "each step's first call of a site agrees its amaxes over the process group, so every rank must run "
+                "the same fp8 layers in the same order (a branch taken by some ranks only, DDP's "
+                "find_unused_parameters, or a forward with grad on some ranks only breaks that)",
+                received={"sites": (int(-reduced[4]), int(reduced[3]))},
+                fix="Make AmaxHistory without process_group (each rank its own histories), keep such layers out of "
+                "fp8 (set_module_policy), or use scaling='tensorwise' for them.",
+            )
+        )
+    return reduced[:3].clone()
+
+
 #: Every site: ``id(weight)`` -> its Site (dropped when the weight is freed).
 _sites: dict[int, Site] = {}
 #: Process groups given by ``AmaxHistory``: ``id(weight)`` -> group, for sites made later.
-_groups: dict[int, Any] = {}
+_groups: dict[int, tuple[Any, int]] = {}
 
 
-def _group(weight: torch.Tensor, group: Any) -> None:
-    """``weight``'s sites agree over ``group``: kept by the weight's id until the weight is freed (an id a later
-    tensor reuses must not hand it a group, whose collectives the other ranks would never join)."""
+def _group(weight: torch.Tensor, group: Any, tag: int) -> None:
+    """``weight``'s sites agree over ``group`` as site ``tag``: kept by the weight's id until the weight is freed
+    (an id a later tensor reuses must not hand it a group, whose collectives the other ranks would never join)."""
     key = id(weight)
     if key not in _groups:
         weakref.finalize(weight, _groups.pop, key, None)
-    _groups[key] = group
+    _groups[key] = (group, tag)
 
 
 def site(weight: torch.Tensor, steps: int) -> Site | None:
@@ -173,7 +197,7 @@ def _make(weight: torch.Tensor, steps: int, version: tuple[int, int]) -> Site:
 
     history = torch.zeros(3, steps, dtype=torch.float32, device=weight.device)
     made = Site(weakref.ref(weight, forget), version, history, torch.zeros(3, device=weight.device))
-    made.group = _groups.get(key)
+    made.group, made.tag = _groups.get(key, (None, -1))
     _sites[key] = made
     if _histories:
         _adopt(weight, made)
@@ -190,8 +214,8 @@ def _adopt(weight: torch.Tensor, made: Site) -> None:
         for registered, unsharded in _compat.fsdp2_unsharded(owner.model).items():
             if unsharded is weight:
                 if owner.group is not None:
-                    made.group = owner.group
-                    _group(weight, owner.group)
+                    made.group, made.tag = _groups.get(registered, (owner.group, -1))
+                    _group(weight, made.group, made.tag)
                 loaded = owner._loaded.pop(registered, None)
                 if loaded is not None:
                     made.history, made.pending, made.filled = loaded
@@ -265,12 +289,14 @@ class AmaxHistory:
             group = None if process_group == "default" else process_group
             group = torch.distributed.group.WORLD if group is None else group
             unsharded = _compat.fsdp2_unsharded(model)
-            for param in model.parameters():
+            named = dict(model.named_parameters())
+            for tag, name in enumerate(sorted(named)):  # (the same place on every rank: the model's names)
+                param = named[name]
                 for weight in (param, unsharded.get(id(param))):  # (FSDP2 computes with the one it gathers)
                     if weight is not None:
-                        _group(weight, group)
+                        _group(weight, group, tag)
                         if id(weight) in _sites:
-                            _sites[id(weight)].group = group
+                            _sites[id(weight)].group, _sites[id(weight)].tag = group, tag
         self.model = model
         self.group: Any = None if process_group is None else group
         #: ``id(parameter)`` -> a loaded (history, pending, steps) for an FSDP2 parameter not gathered yet.
