@@ -1288,3 +1288,19 @@ def test_ranks_rolling_different_call_sites_raise_instead_of_pairing_their_amaxe
     else:
         with pytest.raises(RuntimeError, match=r"different call sites.*same fp8 layers.*Received: sites=\(0, 3\)"):
             _amax._agree(pending, 0, "group")
+
+
+def test_a_weight_whose_data_moves_each_step_keeps_one_quantisation_in_a_long_region():
+    """``p.data = ...`` (or a storage re-allocated) each step inside one region: the kept quantisation was keyed
+    by the data's address, so each step added an entry the live weight never dropped (135 KB a step for a
+    256 x 256 layer, until the region ended)."""
+    from mixprec.engine import _fp8
+
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(64, 64), torch.randn(16, 64)
+    with mixprec.autocast("cpu", policy=mixprec.policies.FP8):
+        for _ in range(20):
+            layer.weight.data = layer.weight.data.clone()
+            first = layer(x)
+            assert torch.equal(layer(x), first)  # (the kept quantisation serves the step's later calls)
+            assert len(_fp8._weights) == 1

@@ -94,13 +94,15 @@ def quantise(
     return q.to(dtype).contiguous(), factor.reciprocal()  # (row-major whatever t's strides)
 
 
-#: A weight's quantisations: ``(id(source), the weight's view geometry, storage and dtype, fp8 dtype, recipe,
-#: dim)`` -> (a weak reference to the source, its ``_amax.stamp`` then, ``(q, inverse_scale)``, the delayed
-#: recipe's site and its count of recorded steps then, or None and 0). An in-place update bumps the version, an
-#: optimizer step the process's step count (FSDP2 keeps the version of the weight it gathers into), so an entry
-#: is used only while the weight is unchanged; and the region's end drops them all (``clear_weight_cache``).
+#: A weight's quantisations: ``(id(source), the weight's shape, strides and dtype, fp8 dtype, recipe, dim)`` ->
+#: (a weak reference to the source, its ``_amax.stamp`` and the weight's data pointer and storage offset then,
+#: ``(q, inverse_scale)``, the delayed recipe's site and its count of recorded steps then, or None and 0). An
+#: in-place update bumps the version, an optimizer step the process's step count (FSDP2 keeps the version of the
+#: weight it gathers into), ``p.data = ...`` moves the data, so an entry is used only while the weight is
+#: unchanged, and replaced when it changes (one per weight and view, however long the region); the region's end
+#: drops them all (``clear_weight_cache``).
 _weights: dict[
-    tuple[Any, ...], tuple[Any, tuple[int, int], tuple[torch.Tensor, torch.Tensor], _amax.Site | None, int]
+    tuple[Any, ...], tuple[Any, tuple[Any, ...], tuple[torch.Tensor, torch.Tensor], _amax.Site | None, int]
 ] = {}
 
 
@@ -124,11 +126,10 @@ def quantise_weight(
     pending amaxes at its first call, is the same at every later call of the step."""
     if _compat.tracing():
         return quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
-    key = (
-        id(source), tuple(weight.shape), weight.stride(), weight.storage_offset(), weight.data_ptr(), weight.dtype,
-        dtype, recipe, dim,
-    )
-    found, now = _weights.get(key), _amax.stamp(source)
+    key = (id(source), tuple(weight.shape), weight.stride(), weight.dtype, dtype, recipe, dim)
+    # (where the weight's data lives: a step may move it, ``p.data = ...``, and the entry it had is replaced)
+    now = (_amax.stamp(source), weight.data_ptr(), weight.storage_offset())
+    found = _weights.get(key)
     filled = 0 if site is None else site.filled
     if found is not None and found[0]() is source and found[1] == now and found[3] is site and found[4] == filled:
         return found[2]
