@@ -201,3 +201,17 @@ def test_a_module_policy_under_install_recomputes_as_its_forward_ran(checkpointe
     for a, b in zip(plain, checkpointed_run, strict=True):
         assert a.dtype is b.dtype and torch.equal(a, b)
     assert block.first.weight.grad is not None
+
+
+def test_an_installation_keeps_a_bounded_number_of_module_policy_settings():
+    # A module policy of new content at every step (left installed for the run) added a setting per policy.
+    from mixprec.engine import _installation
+
+    layer, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    ops = ["softmax", "relu", "gelu", "tanh", "sigmoid", "exp", "log", "sum", "mean", "cumsum"]
+    with mixprec.install():
+        for i in range(_installation._MODULE_SETTINGS + 20):  # (each a policy of other content)
+            policy = mixprec.policies.CPU.with_ops(fp32=[op for bit, op in enumerate(ops) if i >> bit & 1])
+            with mixprec.set_module_policy(layer, policy), torch.autocast("cpu"):
+                assert layer(x).dtype is torch.bfloat16
+        assert len(_installation.current._module_settings) == _installation._MODULE_SETTINGS

@@ -31,6 +31,8 @@ from mixprec.engine import _compute, _state, _tables
 from mixprec.policies import Policy
 
 _lock = threading.Lock()
+#: How many module policies' settings an installation keeps (the oldest goes first, made again if needed).
+_MODULE_SETTINGS = 256
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -51,7 +53,10 @@ class Installation:
             found = self._module_settings.get((device_type, dtype, module))
             if found is None:
                 found = _state.module_setting(device_type, module, self.setting_for(device_type, dtype))
-                self._module_settings[(device_type, dtype, module)] = found
+                with _lock:  # (bounded: a run may make a module policy of new content at every step)
+                    if len(self._module_settings) >= _MODULE_SETTINGS:
+                        self._module_settings.pop(next(iter(self._module_settings)), None)
+                    self._module_settings[(device_type, dtype, module)] = found
             return found
         found = self._settings.get((device_type, dtype))
         if found is None:
