@@ -93,7 +93,7 @@ def _qualified(name: str) -> tuple[Callable[..., object], ...]:
     return (packet, *(getattr(packet, o) for o in packet.overloads()))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # (bounded: any string asked about, invalid names too)
 def _named(name: str) -> tuple[Callable[..., object], ...]:
     builtins = [getattr(ns, name, None) for ns in _c_namespaces()]
     builtins = [f for f in builtins if isinstance(f, _BUILTIN_TYPES)]
