@@ -123,7 +123,7 @@ def run_once(target: Target, region: contextlib.AbstractContextManager[Any], rec
     with torch.random.fork_rng(devices=[]), recorder, region:
         torch.manual_seed(0)  # the same dropout masks in every run
         output = model(*inputs)
-        with recorder.outside(LOSS) if isinstance(recorder, Recorder) else contextlib.nullcontext():
+        with recorder._outside(LOSS) if isinstance(recorder, Recorder) else contextlib.nullcontext():
             loss = loss_fn(output) if loss_fn is not None else None
     order: list[str] = []  # the parameters in the order backward finished their gradients
     if loss is not None:

@@ -333,7 +333,7 @@ class Recorder(_Tap):
         self._stack.clear()
 
     @contextlib.contextmanager
-    def outside(self, label: str) -> Iterator[None]:
+    def _outside(self, label: str) -> Iterator[None]:
         """While open, ops that run outside every module of the model are recorded in module ``label`` (the
         doctor's ``"(loss_fn)"``), not in the model's ``""``."""
         self._stack.append(label)
