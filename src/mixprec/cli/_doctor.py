@@ -210,7 +210,7 @@ def _summary(diagnosis: Diagnosis) -> list[str]:
     if suggestion is not None:
         after = suggestion.nonfinite_after
         left = "no inf/NaN left" if after == 0 else f"{after} inf/NaN, as many as float32"
-        verdict = f"fixes it: {left}" if suggestion.fixes else f"still {suggestion.nonfinite_after} inf/NaN"
+        verdict = f"fixes it: {left}" if suggestion.fixes else f"still {after} inf/NaN"
         lines.append(f"Suggestion: {suggestion.code}   (re-run with it: {verdict})")
     return lines
 

@@ -124,7 +124,8 @@ def _agree(pending: torch.Tensor, tag: int, group: Any) -> torch.Tensor:
 
 #: Every site: ``id(weight)`` -> its Site (dropped when the weight is freed).
 _sites: dict[int, Site] = {}
-#: Process groups given by ``AmaxHistory``: ``id(weight)`` -> group, for sites made later.
+#: Process groups given by ``AmaxHistory``: ``id(weight)`` -> (group, the weight's site tag), for sites made
+#: later (``_group``: dropped when the weight is freed).
 _groups: dict[int, tuple[Any, int]] = {}
 
 

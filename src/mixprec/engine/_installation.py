@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from mixprec.engine import _compute, _state, _tables
+from mixprec.engine import _compute, _memo, _state, _tables
 from mixprec.policies import Policy
 
 _lock = threading.Lock()
@@ -42,8 +42,8 @@ class Installation:
     policy: Policy | None
     compute: str
     _settings: dict[tuple[str, torch.dtype], _state.Setting] = dataclasses.field(default_factory=dict, repr=False)
-    _module_settings: dict[tuple[str, torch.dtype, Policy], _state.Setting] = dataclasses.field(
-        default_factory=dict, repr=False
+    _module_settings: _memo.Memo[tuple[str, torch.dtype, Policy], _state.Setting] = dataclasses.field(
+        default_factory=lambda: _memo.Memo(_MODULE_SETTINGS, "installed module settings", reset=False), repr=False
     )
 
     def setting_for(self, device_type: str, dtype: torch.dtype, module: Policy | None = None) -> _state.Setting:
@@ -53,10 +53,8 @@ class Installation:
             found = self._module_settings.get((device_type, dtype, module))
             if found is None:
                 found = _state.module_setting(device_type, module, self.setting_for(device_type, dtype))
-                with _lock:  # (bounded: a run may make a module policy of new content at every step)
-                    if len(self._module_settings) >= _MODULE_SETTINGS:
-                        self._module_settings.pop(next(iter(self._module_settings)), None)
-                    self._module_settings[(device_type, dtype, module)] = found
+                # (bounded: a run may make a module policy of new content at every step)
+                self._module_settings.put((device_type, dtype, module), found)
             return found
         found = self._settings.get((device_type, dtype))
         if found is None:

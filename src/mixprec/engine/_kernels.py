@@ -38,7 +38,9 @@ from mixprec.policies._category import Action
 Op = torch._ops.OpOverload
 Entry = _rules.Runner  # what a kernel calls for its op (the op's rule, bound)
 _REGION_CASTS = _plan.REGION_CASTS
-_NUMBERS = (bool, int, float, complex)
+#: Python numbers, and each one's dtype as a tensor, as torch wraps it (``scalar_to_tensor``).
+_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+_NUMBERS = tuple(_NUMBER_DTYPES)
 
 _lock = threading.Lock()
 _libraries: dict[str, torch.library.Library] = {}  # namespace -> the Library holding mixprec's kernels
@@ -61,8 +63,7 @@ def needed(setting: _state.Setting) -> frozenset[Op]:
     table, changed = _tables.effective(setting.policy, setting.device_type)
     needs = changed | {op for op, category in table.items() if category in _REGION_CASTS and _emulated(setting, op)}
     if _tables.transform_split(setting.policy, setting.device_type):  # (their kernels refuse under torch.func)
-        group = table.keys() | _tables.native(setting.device_type).keys()
-        needs |= {op for op in group if op.overloadpacket.__name__ in _tables.TRANSFORM_GROUP}
+        needs |= set(_tables.transform_overloads(table, setting.device_type))
     return needs
 
 
@@ -252,10 +253,6 @@ def _register_jit_casts(key: str, device_type: str) -> None:
             warnings.filterwarnings("ignore", message=".*previously registered kernel.*")
             _compat.register_kernel(library, name, _jit_cast_kernel(op, device_type, key), key)
     _jit_keys.add(key)
-
-
-#: A Python number's dtype as a tensor, as torch wraps it (``scalar_to_tensor``).
-_NUMBER_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
 
 
 def _jit_cast_kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:

@@ -22,11 +22,12 @@ _all: list[Memo] = []  # type: ignore[type-arg]
 class Memo(dict[K, V]):
     """A dict that holds at most ``size`` entries: ``put`` drops the oldest first."""
 
-    def __init__(self, size: int, name: str) -> None:
+    def __init__(self, size: int, name: str, *, reset: bool = True) -> None:
         super().__init__()
         self.size = size
         self.name = name
-        _all.append(self)
+        if reset:  # (one an object owns, ``reset=False``, goes with the object)
+            _all.append(self)
 
     def put(self, key: K, value: V) -> V:
         """Store ``value`` under ``key`` (dropping the oldest entry when full) and return it."""

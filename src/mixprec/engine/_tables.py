@@ -155,22 +155,24 @@ def transform_split(policy: Policy, device_type: str) -> dict[str, str]:
     of its own), by op name, where they are not all one and not those of its base device's default policy
     (which the transforms treat as torch's native autocast treats them: ``dot`` is ``promote`` on CUDA); else
     ``{}``."""
-    table, _ = effective(policy, device_type)
-    here = native(device_type)
-    mine = _group(table, here)
+    mine = _group(effective(policy, device_type)[0], device_type)
     if len(set(mine.values())) < 2:
         return {}
     default, _ = effective(default_policy(_reference_device(policy, device_type)), device_type)
-    return {} if mine == _group(default, here) else mine
+    return {} if mine == _group(default, device_type) else mine
 
 
-def _group(table: dict[Op, Category], here: dict[Op, Category]) -> dict[str, str]:
+def transform_overloads(table: dict[Op, Category], device_type: str) -> list[Op]:
+    """The ``TRANSFORM_GROUP`` overloads with a kernel on the device under ``table`` (its own, or torch's)."""
+    ops = table.keys() | native(device_type).keys()
+    return sorted((op for op in ops if op.overloadpacket.__name__ in TRANSFORM_GROUP), key=qualified)
+
+
+def _group(table: dict[Op, Category], device_type: str) -> dict[str, str]:
     found: dict[str, str] = {}
-    for op in table.keys() | here.keys():
-        name = op.overloadpacket.__name__
-        if name in TRANSFORM_GROUP:
-            category = table.get(op)
-            found.setdefault(name, "unlisted" if category is None else category.value)
+    for op in transform_overloads(table, device_type):
+        category = table.get(op)
+        found.setdefault(op.overloadpacket.__name__, "unlisted" if category is None else category.value)
     return found
 
 
