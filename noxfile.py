@@ -43,6 +43,7 @@ ORDER = sorted(TESTED, key=lambda release: tuple(int(part) for part in release.s
 OLDEST, NEWEST = ORDER[0], ORDER[-1]
 # Transformers 5 on the newest release, 4 on the others: both majors are exercised every run.
 TRANSFORMERS = {NEWEST: "transformers>=5"}
+MATRIX_GB = 36  # the disk the matrix's venvs need, with room for pytest's temporary files
 
 
 def _tests(release: str):
@@ -81,9 +82,14 @@ def ci(session: nox.Session) -> None:
     import time
 
     shutil.rmtree(RESULTS, ignore_errors=True)  # this run's results only
+    (ROOT / ".nox").mkdir(exist_ok=True)
+    # Every release's venv holds a CUDA-bundled torch from PyPI: about 32 GB in all, measured. Say so up front,
+    # as the installs' own failure ("No space left on device" in the background log) comes minutes later.
+    free = shutil.disk_usage(ROOT / ".nox").free / 2**30
+    if free < MATRIX_GB and not all((ROOT / ".nox" / f"tests-{r.replace('.', '-')}").exists() for r in ORDER):
+        session.warn(f"{free:.0f} GB free beside .nox/; the release matrix's venvs take about {MATRIX_GB} GB")
     nox_cmd = [sys.executable, "-m", "nox"]
     later = [OLDEST, *ORDER[1:-1]]
-    (ROOT / ".nox").mkdir(exist_ok=True)
     log_path = ROOT / ".nox" / "background-installs.log"
     with log_path.open("w") as log:
         background = subprocess.Popen(
