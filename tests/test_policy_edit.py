@@ -125,7 +125,9 @@ def test_overload_entry_wins_over_its_op():
     padding_only = CPU.with_ops(fp32=[torch.ops.aten.conv1d.padding])
     assert _under(padding_only, torch.conv1d, _x(1, 2, 5), _x(3, 2, 2)).dtype is bf16  # reaches conv1d.default
     assert policy.category(torch.ops.aten.mm.default) == "fp32"
-    assert policy.category(torch.mm) == "lower_precision_fp"
+    # So does the policy's answer for torch.mm (a usual call reaches mm.default); the name "mm" is its own entry.
+    assert policy.category(torch.mm) == policy.category(torch.Tensor.mm) == "fp32"
+    assert policy.target(torch.mm) == "float32" and policy.category("mm") == "lower_precision_fp"
 
 
 def test_without_ops_takes_an_ops_overload_entries_with_it():
@@ -301,7 +303,8 @@ def test_custom_op_category_is_seen_by_callable_and_name():
     assert policy.category(torch.ops.mixprec_edit.mm) == "fp32"
     assert policy.category(torch.ops.mixprec_edit.mm.default) == "fp32"
     assert policy.category(torch.ops.mixprec_edit_lib.mm.default) == "promote"
-    assert policy.category(torch.ops.mixprec_edit_lib.mm) is None
+    assert policy.category(torch.ops.mixprec_edit_lib.mm) == "promote"  # (its calls reach .default)
+    assert policy.category("mixprec_edit_lib::mm") is None  # (the name is the table's: no entry of its own)
     assert policy.category(custom_mm) == policy.category("mixprec_edit::mm") == "fp32"
     assert policy.category("aten::mm") == policy.category("mm") == "lower_precision_fp"
     a, b = _x(3, 3, dtype=bf16), _x(3, 3)
@@ -398,3 +401,78 @@ def test_unlisted_custom_ops_of_every_shape_match_native(call):
         native = call(x)
     got = _under(CPU, call, x)
     torch.testing.assert_close(got, native, rtol=0, atol=0)
+
+
+# --- edits that could change nothing are refused -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("op", "names"),
+    [
+        (torch.Tensor.__matmul__, "matmul"),
+        ("__matmul__", "matmul"),
+        (torch.Tensor.__rpow__, "pow"),
+        (torch.nn.functional.cross_entropy, "cross_entropy_loss"),
+        (torch.nn.functional.normalize, "ATen ops it calls"),
+        (torch.ops.aten.exp.out, "'exp'"),
+        ("aten::mm.out", "'mm'"),
+        ("add_", "'add'"),
+        ("_batch_norm_with_update", "'_batch_norm_with_update_functional'"),
+    ],
+    ids=str,
+)
+def test_an_edit_of_a_name_no_autocast_kernel_sees_is_refused_with_what_to_name(op, names):
+    """Autocast acts on the dispatcher's functional ATen overloads: an operator spelling, a Python function over
+    other ops, or an out= / in-place overload would be moved and then change nothing (``x @ x`` stayed bfloat16
+    with ``__matmul__`` moved to fp32)."""
+    with pytest.raises(ValueError, match="Cannot edit this op") as raised:
+        CPU.with_ops(fp32=[op])
+    assert names in str(raised.value)
+    with pytest.raises(ValueError, match="Cannot edit this op"):
+        mixprec.Policy.from_dict({"base": "CPU", "ops": {"fp32": [op if isinstance(op, str) else _name(op)]}})
+
+
+def _name(op) -> str:
+    from mixprec.policies import _names
+
+    return _names.table_key(op)
+
+
+def test_a_documented_name_can_still_be_taken_out_of_the_table_that_lists_it():
+    documented = mixprec.policies.CUDA_DOCUMENTED
+    assert "__matmul__" not in documented.without_ops("__matmul__").table
+    with pytest.raises(ValueError, match="Cannot edit this op"):
+        documented.with_ops(fp32=["__matmul__"])
+
+
+def test_a_policy_file_cannot_take_an_overload_out_on_its_own_either(tmp_path):
+    """``without_ops("aten::mm.default")`` raises; the same line in a file was dropped without a word, and the
+    policy then equalled CPU."""
+    path = tmp_path / "p.toml"
+    path.write_text('base = "CPU"\nwithout_ops = ["aten::mm.default"]\n')
+    with pytest.raises(ValueError, match="Cannot take an overload out of autocast on its own"):
+        mixprec.Policy.from_file(path)
+    with pytest.raises(ValueError, match="Cannot take an overload out of autocast on its own"):
+        mixprec.Policy.from_dict({"base": "CPU", "without_ops": ["aten::mm.default"]})
+
+
+def test_from_lists_spells_names_as_every_other_way_in_does():
+    policy = mixprec.Policy.from_lists("p", {"fp32": ["aten::mm"]})
+    assert dict(policy.table) == {"mm": mixprec.policies.Category.FP32}
+    assert policy.category(torch.mm) == policy.category("mm") == "fp32"
+    assert "mm" not in policy.without_ops("mm").table
+    assert mixprec.Policy.from_dict(policy.to_dict()) == policy
+
+
+@pytest.mark.parametrize(
+    ("given", "suggested"),
+    [("mm.default", "aten::mm.default"), ("torch.mm", "mm"), ("torch.linalg.inv", "linalg_inv")],
+)
+def test_a_name_spelled_as_python_or_without_its_namespace_gets_its_table_name_suggested(given, suggested):
+    with pytest.raises(ValueError, match=f"Did you mean one of: {suggested}\\?"):
+        CPU.with_ops(fp32=[given])
+
+
+def test_explain_says_what_an_overload_entry_replaced():
+    policy = CPU.with_ops(fp32=[torch.ops.aten.mm.default])
+    assert mixprec.explain(torch.mm, "cpu", policy).source == "user change (was lower_precision_fp in CPU)"

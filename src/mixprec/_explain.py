@@ -345,7 +345,9 @@ def _run(
 def _source(policy: Policy, entry: str) -> str:
     base = _serial.base_table(policy.base)
     if policy.table.get(entry) is not base.get(entry):
-        before = base[entry].value if entry in base else "unlisted"
+        op = _names.op_of_overload(entry)  # an overload's own entry: its op's entry decided it before
+        was = base.get(entry) or (base.get(op) if op is not None else None)
+        before = "unlisted" if was is None else was.value
         return f"user change (was {before} in {policy.base})" if policy.base else f"table of policy {policy.name}"
     from mixprec.policies import DOCUMENTED, describes
 

@@ -24,7 +24,7 @@ import torch
 
 from mixprec import _compat, _errors
 from mixprec.engine import _devices, _memo
-from mixprec.policies import Category, Policy, _names
+from mixprec.policies import Category, Policy, _names, _resolve
 
 Op = torch._ops.OpOverload
 
@@ -57,31 +57,9 @@ def qualified(op: Op) -> str:
     return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
 
 
-def _functional(op: Op) -> bool:
-    """Not an ``out=`` or in-place overload (autocast leaves those alone), and one that takes a tensor: the
-    TorchScript-only scalar overloads (``aten::add(Scalar a, Scalar b) -> Scalar``, the packet's ``default``)
-    never reach the dispatcher's Autocast keys, and a kernel registered under their name shadows nothing."""
-    arguments = op._schema.arguments
-    return not any(a.alias_info is not None and a.alias_info.is_write for a in arguments) and any(
-        "Tensor" in str(a.type) for a in arguments
-    )
-
-
 def overloads(name: str) -> tuple[Op, ...]:
-    """The functional overloads a table entry covers: all of an op's (``"mm"``), or one (``"aten::mm.default"``)."""
-    namespace, _, rest = name.rpartition("::")
-    op_name, _, overload = rest.partition(".")
-    if name.startswith("__") or not op_name:
-        return ()
-    try:
-        packet = getattr(getattr(torch.ops, namespace or "aten"), op_name)
-    except (AttributeError, RuntimeError):
-        return ()
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return ()
-    names = [overload] if overload else packet.overloads()
-    found = (getattr(packet, n, None) for n in names if n in packet.overloads())
-    return tuple(op for op in found if op is not None and _functional(op))
+    """The functional overloads a table entry covers (``_resolve.dispatcher_overloads``, where the rule lives)."""
+    return _resolve.dispatcher_overloads(name)
 
 
 def categories(policy: Policy) -> dict[Op, Category]:
@@ -96,12 +74,8 @@ def categories(policy: Policy) -> dict[Op, Category]:
 def entry_name(policy: Policy, op: Op) -> str:
     """The table entry that decides ``op``'s category: the overload's own (``"mm.default"``, ``"aten::mm.default"``)
     before its op's (``"mm"``, ``"aten::mm"``), as ``categories`` applies them; the op's name if none does."""
-    packet = op.overloadpacket._qualified_op_name
-    overload = f"{packet}.{op._overloadname}"  # (``qualified`` drops ``.default``; a table may spell it)
-    for name in (overload.removeprefix("aten::"), overload, packet.removeprefix("aten::"), packet):
-        if name in policy.table:
-            return name
-    return overload.removeprefix("aten::").split(".")[0]
+    names = _names.entry_names(op)  # (``qualified`` drops ``.default``; a table may spell it)
+    return next((name for name in names if name in policy.table), names[2])
 
 
 @functools.cache

@@ -82,6 +82,9 @@ def _unknown(op: object, name: str | None, listed: Iterable[str]) -> ValueError:
         close = difflib.get_close_matches(name, [*qualified, *listed], n=5) if name else []
     else:
         close = difflib.get_close_matches(name, [*_known_names(), *listed], n=5) if name else []
+    respelled = _respelled(name) if name else None
+    if respelled is not None:
+        close = [respelled]
     hint = f"Did you mean one of: {', '.join(close)}?" if close else None
     if namespace is not None and not close:
         hint = (
@@ -98,6 +101,20 @@ def _unknown(op: object, name: str | None, listed: Iterable[str]) -> ValueError:
             fix=hint,
         )
     )
+
+
+def _respelled(name: str) -> str | None:
+    """The table name of a Python path written as a string (``"torch.linalg.inv"`` -> ``"linalg_inv"``) or of an
+    ATen overload written without its namespace (``"mm.default"`` -> ``"aten::mm.default"``), else None."""
+    if "::" in name or "." not in name:
+        return None
+    if name.startswith("torch."):
+        found: object = torch
+        for part in name.split(".")[1:]:
+            found = getattr(found, part, None)
+        key = table_key(found) if callable(found) else None
+        return key if key is not None and _resolve.callables(key) else None
+    return f"aten::{name}" if _resolve.callables(f"aten::{name}") else None
 
 
 def op_name(op: object, listed: Mapping[str, object] | None = None) -> str:
@@ -127,15 +144,49 @@ def op_name(op: object, listed: Mapping[str, object] | None = None) -> str:
     raise _unknown(op, name, listed)
 
 
-def op_names(ops: object, listed: Mapping[str, object] | None = None) -> list[str]:
-    """Table names for one op or an iterable of ops, in order, without repeats."""
+def op_names(ops: object, listed: Mapping[str, object] | None = None, *, removing: bool = False) -> list[str]:
+    """Table names for one op or an iterable of ops to edit, in order, without repeats (``edit_name``)."""
     items: Iterable[object] = [ops] if isinstance(ops, str) or callable(ops) else _iterable(ops)
     out: list[str] = []
     for op in items:
-        name = op_name(op, listed)
+        name = edit_name(op, listed, removing=removing)
         if name not in out:
             out.append(name)
     return out
+
+
+#: The ATen ops that Python's operator spellings call (a hint for the refusal below).
+_OPERATORS = {
+    "__matmul__": "matmul", "__rmatmul__": "matmul", "__pow__": "pow", "__rpow__": "pow",
+    "__rdiv__": "reciprocal and mul", "__rtruediv__": "reciprocal and mul", "__rsub__": "rsub",
+}  # fmt: skip
+
+
+def edit_name(op: object, listed: Mapping[str, object] | None = None, *, removing: bool = False) -> str:
+    """The table name of an op to move or remove (``op_name``); ValueError where the edit could change nothing
+    although torch has the op: an operator spelling or Python function that reaches no ATen op of its own
+    (``__matmul__``, ``F.cross_entropy``), or an ``out=`` / in-place overload. Autocast, native and mixprec's,
+    acts on the dispatcher's functional ATen overloads only. Removing an entry the table lists stays allowed."""
+    listed = {} if listed is None else listed
+    name = op_name(op, listed)
+    if _resolve.dispatcher_overloads(name) or not _resolve.callables(name) or (removing and name in listed):
+        return name
+    if any(isinstance(f, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) for f in _resolve.callables(name)):
+        op = op_of_overload(name) or name
+        found = [f for f in (op.removesuffix("_"), f"{op}_functional") if _resolve.dispatcher_overloads(f)]
+        why = "its overloads are out= or in-place ones, which autocast leaves alone (as native autocast does)"
+        fix = f"Name the functional op{f', {found[0]!r},' if found else ''} or one of its functional overloads."
+    else:
+        aten = [n for n in _known_names() if _resolve.dispatcher_overloads(n)]
+        hint = _OPERATORS.get(name) or ", ".join(difflib.get_close_matches(name, aten, n=3))
+        why = "autocast acts on ATen ops, and this Python-level name reaches none of its own: moving it changes nothing"
+        fix = (
+            f"Name the ATen ops it calls{f' (perhaps: {hint})' if hint else ''}; mixprec.explain(op, example=...) "
+            "shows what a call reaches."
+        )
+    raise ValueError(
+        _errors.message("Cannot edit this op in a policy", why, received={"op": op}, expected=_EXPECTED, fix=fix)
+    )
 
 
 def _iterable(ops: object) -> Iterable[object]:
@@ -157,6 +208,14 @@ def op_of_overload(name: str) -> str | None:
     if "::" not in name or "." not in name:
         return None
     return name.split(".")[0].removeprefix("aten::")
+
+
+def entry_names(op: torch._ops.OpOverload) -> tuple[str, ...]:
+    """The table names that may decide an overload's category, first match wins: the overload's own entry
+    (``"aten::mm.default"``, ``"mm.default"``) before its op's (``"mm"``, ``"aten::mm"``)."""
+    packet = op.overloadpacket._qualified_op_name
+    overload = f"{packet}.{op._overloadname}"
+    return (overload.removeprefix("aten::"), overload, packet.removeprefix("aten::"), packet)
 
 
 def dispatched(op: object) -> object:

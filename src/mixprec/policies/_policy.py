@@ -9,6 +9,8 @@ import types
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import torch
+
 from mixprec import _compat, _errors
 from mixprec.policies import _advice, _names, _resolve, _serial
 from mixprec.policies._builtin import BUILTIN
@@ -95,7 +97,7 @@ class Policy:
         for category, ops in lists.items():
             parsed = category_of(category)
             for op in _serial._string_list("lists", str(category), ops):
-                table[op.strip()] = parsed
+                table[_names.table_key(op) or op] = parsed  # "aten::mm" -> "mm", as every other way in spells it
         return cls(name, types.MappingProxyType(table), base)
 
     def with_ops(self, **ops: Any) -> Policy:
@@ -120,22 +122,7 @@ class Policy:
         Removing an op also removes the entries of its overloads (``"mm"`` takes
         ``"aten::mm.default"`` with it).
         """
-        names = _names.op_names(ops, self.table)
-        prefixes = tuple(f"{n}." if "::" in n else f"aten::{n}." for n in names)
-        table = {k: v for k, v in self.table.items() if k not in names and not k.startswith(prefixes)}
-        for name in names:
-            op = _names.op_of_overload(name)
-            if op is not None and op in table:
-                raise ValueError(
-                    _errors.message(
-                        "Cannot take an overload out of autocast on its own",
-                        f"its op is listed as {table[op].value}, and that entry covers every overload",
-                        received={"op": name},
-                        expected=f"the op itself, {op!r}",
-                        fix=f"Use without_ops({op!r}), then with_ops to list the overloads you want autocast.",
-                    )
-                )
-        return self._derived(table)
+        return self._derived(_without(self.table, _names.op_names(ops, self.table, removing=True)))
 
     def _derived(self, table: Mapping[str, Category]) -> Policy:
         return Policy(self.name, types.MappingProxyType(dict(table)), self.base, self.fp8)
@@ -206,7 +193,7 @@ class Policy:
     def _from_checked(
         cls, name: str, base: str | None, moved: dict[str, list[str]], removed: list[str], fp8: Fp8Recipe | None = None
     ) -> Policy:
-        table = {k: v for k, v in _serial.base_table(base).items() if k not in removed}
+        table = _without(_serial.base_table(base), removed)
         table.update((n, Category(c)) for c, names in moved.items() for n in names)
         return cls(name, types.MappingProxyType(table), base, fp8)
 
@@ -221,6 +208,10 @@ class Policy:
 
     def category(self, op: str | Callable[..., object]) -> str | None:
         """The category of ``op`` (a name, a torch callable or a custom op), or None if unlisted.
+
+        A name is looked up as the table spells it. A callable is decided as its calls are: an overload by its own
+        entry, else its op's; a builtin such as ``torch.mm`` by the entry of the overload a usual call reaches
+        (``aten::mm.default``). ``mixprec.explain(op, example=...)`` answers for one call's arguments.
 
         Raises ValueError if ``op`` names nothing torch has and the table does not list it, as ``with_ops`` does.
         """
@@ -271,7 +262,20 @@ class Policy:
         for op, category in sorted(self.table.items(), key=_names.overloads_last):
             for func in _resolve.callables(op):
                 found[func] = category
+        # An overload's own entry also decides the op's builtins and packet (``torch.mm``): the entry of the
+        # overload a call with the op's usual arguments reaches (``default``, or the op's only functional one),
+        # else the category all its functional overloads agree on.
+        for op in sorted({o for o in map(_names.op_of_overload, self.table) if o is not None}):
+            overloads = _resolve.dispatcher_overloads(op)
+            usual = [o for o in overloads if o._overloadname == "default"] or list(overloads * (len(overloads) == 1))
+            agreed = {self._overload_category(o) for o in usual or overloads}
+            decided = agreed.pop() if len(agreed) == 1 else None
+            if decided is not None:
+                found.update((f, decided) for f in _resolve.callables(op) if not isinstance(f, torch._ops.OpOverload))
         return found
+
+    def _overload_category(self, op: torch._ops.OpOverload) -> Category | None:
+        return next((self.table[n] for n in _names.entry_names(op) if n in self.table), None)
 
     @functools.cached_property
     def _banned_names(self) -> Mapping[Callable[..., object], str]:
@@ -342,6 +346,26 @@ def _check_fields(name: object, table: object, base: object) -> None:
             _errors.message("Policy base is invalid", "it must name a built-in policy", received={"base": base},
                             expected=list(BUILTIN))
         )
+
+
+def _without(table: Mapping[str, Category], names: list[str]) -> dict[str, Category]:
+    """``table`` without the entries of ``names``, an op's taking its overloads' entries with it (``without_ops``
+    and a policy file's ``without_ops`` both come here)."""
+    prefixes = tuple(f"{n}." if "::" in n else f"aten::{n}." for n in names)
+    kept = {k: v for k, v in table.items() if k not in names and not k.startswith(prefixes)}
+    for name in names:
+        op = _names.op_of_overload(name)
+        if op is not None and op in kept:
+            raise ValueError(
+                _errors.message(
+                    "Cannot take an overload out of autocast on its own",
+                    f"its op is listed as {kept[op].value}, and that entry covers every overload",
+                    received={"op": name},
+                    expected=f"the op itself, {op!r}",
+                    fix=f"Use without_ops({op!r}), then with_ops to list the overloads you want autocast.",
+                )
+            )
+    return kept
 
 
 def _rebuild(name: str, table: dict[str, Category], base: str | None, fp8: Fp8Recipe | None = None) -> Policy:

@@ -61,6 +61,8 @@ class Fp8Recipe:
             refuse("history", self.history, "an int of at least 1")
         if not isinstance(self.eps, (int, float)) or isinstance(self.eps, bool) or not 0 < self.eps < math.inf:
             refuse("eps", self.eps, "a positive finite float")
+        if self.eps > _FLOAT32_MAX:  # (the scale is computed in float32)
+            refuse("eps", self.eps, f"a positive float at most float32's largest, {_FLOAT32_MAX:.6g}")
         for field in ("forward", "backward"):
             if getattr(self, field) not in FP8_FORMATS:
                 refuse(field, getattr(self, field), list(FP8_FORMATS))

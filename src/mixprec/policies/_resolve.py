@@ -108,6 +108,35 @@ def _named(name: str) -> tuple[Callable[..., object], ...]:
     return _unique(builtins + wrappers + aten)
 
 
+def _functional(op: torch._ops.OpOverload) -> bool:
+    """Not an ``out=`` or in-place overload (autocast leaves those alone), and one that takes a tensor: the
+    TorchScript-only scalar overloads (``aten::add(Scalar a, Scalar b) -> Scalar``, the packet's ``default``)
+    never reach the dispatcher's Autocast keys, and a kernel registered under their name shadows nothing."""
+    arguments = op._schema.arguments
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in arguments) and any(
+        "Tensor" in str(a.type) for a in arguments
+    )
+
+
+def dispatcher_overloads(name: str) -> tuple[torch._ops.OpOverload, ...]:
+    """The functional overloads a table entry covers at the dispatcher: all of an op's (``"mm"``), or one
+    (``"aten::mm.default"``). Empty for an operator spelling (``"__matmul__"``) or a Python function over other
+    ops (``"cross_entropy"``): native autocast, and mixprec's kernels, see only the ATen ops those call."""
+    namespace, _, rest = name.rpartition("::")
+    op_name, _, overload = rest.partition(".")
+    if name.startswith("__") or not op_name:
+        return ()
+    try:
+        packet = getattr(getattr(torch.ops, namespace or "aten"), op_name)
+    except (AttributeError, RuntimeError):
+        return ()
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return ()
+    names = [overload] if overload else packet.overloads()
+    found = (getattr(packet, n, None) for n in names if n in packet.overloads())
+    return tuple(op for op in found if op is not None and _functional(op))
+
+
 def name_of(func: Callable[..., object]) -> str:
     """The op name under which a callable is listed (its ATen-style name)."""
     name = getattr(func, "__name__", None) or repr(func)

@@ -81,10 +81,11 @@ def check(
         raise _bad(where, "ops must map categories to op names", "ops", ops, "a table such as {fp32 = ['softmax']}")
     moved: dict[str, list[str]] = {}
     for category, given in ops.items():
-        names = [_names.op_name(n, listed) for n in _string_list(where, "ops", given)]
+        names = [_names.edit_name(n, listed) for n in _string_list(where, "ops", given)]
         _names.check_dtype_category(category_of(category), names)
         moved[category_of(category).value] = names
-    removed = [_names.op_name(n, listed) for n in _string_list(where, "without_ops", data.get("without_ops", []))]
+    without = _string_list(where, "without_ops", data.get("without_ops", []))
+    removed = [_names.edit_name(n, listed, removing=True) for n in without]
     check_once(where, moved, removed)
     return name, base, moved, removed, _recipe(where, data.get("fp8", {}))
 
