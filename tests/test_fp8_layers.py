@@ -340,3 +340,105 @@ def test_explain_gives_a_model_only_its_own_kept_reasons():
     with mixprec.choose_fp8_layers(chosen, min_features=16):
         sites = mixprec.explain(other, "cpu", FP8, example=(torch.randn(16, 32),))
     assert [s.runs_in for s in sites] == ["float8_e4m3fn"] * 4
+
+
+class _CrossAttending(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mha = torch.nn.MultiheadAttention(64, 2)
+
+    def forward(self, query, memory):
+        return self.mha(query, memory, memory)[0]
+
+
+@pytest.mark.parametrize(("queries", "memories"), [(16, 8), (8, 16)])
+def test_explain_lists_a_cross_attention_as_torch_runs_it(queries, memories):
+    """A key that is the value but not the query: torch projects the query by the packed weight's first third
+    and the key by the rest, two linears of their own sizes (explain listed one packed linear of the query)."""
+    torch.manual_seed(0)
+    model, query, memory = _CrossAttending(), torch.randn(queries, 1, 64), torch.randn(memories, 1, 64)
+    sites = mixprec.explain(model, "cpu", FP8, example=(query, memory))
+    in_fp8 = sorted(tuple(int(n) for n in s.shape.split(" x ")) for s in sites if s.runs_in == "float8_e4m3fn")
+    assert [(m, n) for m, _, n in in_fp8] == sorted((m, n) for m, n in (
+        (queries, 64), (memories, 128), (queries, 64)) if m % 16 == 0)  # fmt: skip
+    assert len(sites) == 3 and sorted((n, k) for n, k in _fp8_weights(model, query, memory)) == sorted(
+        (n, 64) for _, _, n in in_fp8)
+
+
+class _Keywords(torch.nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.weight, self.bias = torch.nn.Parameter(torch.randn(32, 32)), torch.nn.Parameter(torch.randn(32))
+
+    def forward(self, x):
+        if self.how == "linear":
+            return torch.nn.functional.linear(input=x, weight=self.weight, bias=self.bias)
+        if self.how == "matmul":
+            return torch.matmul(x, other=self.weight)
+        if self.how == "method":
+            return x.matmul(other=self.weight)
+        if self.how == "mm":
+            return torch.mm(x, mat2=self.weight)
+        return torch.addmm(self.bias, x, mat2=self.weight)
+
+
+@pytest.mark.parametrize("how", ["linear", "matmul", "method", "mm", "addmm"])
+def test_explain_reads_a_call_whose_arguments_are_named(how):
+    model, x = _Keywords(how), torch.randn(16, 32)
+    assert len(_fp8_weights(model, x)) == 1
+    (site,) = mixprec.explain(model, "cpu", FP8, example=(x,))
+    assert (site.runs_in, site.reason, site.shape) == ("float8_e4m3fn", "fp8 (tensorwise)", "16 x 32 x 32")
+
+
+class _Two(torch.nn.Module):
+    def __init__(self, dtype=torch.float32):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16, dtype=dtype)
+
+    def forward(self, x):
+        return self.lin(x), torch.mm(x, self.lin.weight.t().to(x.dtype))
+
+
+@pytest.mark.parametrize(
+    ("policy", "dtype", "input_dtype"),
+    [
+        (mixprec.policies.CPU, torch.float64, torch.float64),
+        (mixprec.policies.CPU.with_ops(promote=["mm", "linear"]), torch.float32, torch.bfloat16),
+        (FP8, torch.float64, torch.float64),
+    ],
+    ids=["float64", "promote", "fp8-float64"],
+)
+def test_explain_says_the_dtype_each_call_ran_in(policy, dtype, input_dtype):
+    """'runs in' came from the table: a float64 call (autocast leaves float64 alone) was listed as bfloat16, and so
+    was a promote linear of a bfloat16 input and a float32 weight, which runs in float32."""
+    model, x = _Two(dtype), torch.randn(4, 16, dtype=input_dtype)
+    with mixprec.autocast("cpu", policy=policy):
+        ran = [str(t.dtype).removeprefix("torch.") for t in model(x)]
+    assert [s.runs_in for s in mixprec.explain(model, "cpu", policy, example=(x,))] == ran
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self, in_place):
+        super().__init__()
+        self.in_place = in_place
+        self.inp, self.out = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(3))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            if self.in_place:
+                h += block(h)
+            else:
+                h = h + block(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["new-tensors", "in-place"])
+def test_with_an_example_a_residual_stream_updated_in_place_keeps_only_the_ends(in_place):
+    """``h += block(h)``: every block reads the memory the last layer reads, at an older version; all of them
+    were kept out as 'last'."""
+    model = _Residual(in_place)
+    with mixprec.choose_fp8_layers(model, min_features=16, example=(torch.randn(16, 32),)) as layers:
+        assert layers.kept == ("inp", "out")

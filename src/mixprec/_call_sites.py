@@ -74,9 +74,14 @@ class _Sites(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name in _FAMILY:
-            self.sites.append(self._site(_FAMILY[name], args, kwargs))
-        elif func is torch.nn.functional.multi_head_attention_forward:
-            self.sites.extend(self._site("linear", call, {}) for call in _projections(args, kwargs))
+            site = self._site(_FAMILY[name], args, kwargs)
+            out = func(*args, **kwargs)
+            self.sites.append(_ran(site, out))
+            return out
+        if func is torch.nn.functional.multi_head_attention_forward:
+            for call in _projections(args, kwargs):
+                site = self._site("linear", call, {})
+                self.sites.append(site if _in_fp8(site) else _ran(site, torch.nn.functional.linear(*call)))
         return func(*args, **kwargs)
 
     def _site(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallSite:
@@ -106,18 +111,43 @@ class _Sites(torch.overrides.TorchFunctionMode):
         return CallSite(module, name, shape, runs, why)
 
 
+def _in_fp8(site: CallSite) -> bool:
+    return site.reason.startswith("fp8 (")
+
+
+def _ran(site: CallSite, out: Any) -> CallSite:
+    """``site`` with the dtype its call ran in, read off its output (float64 stays float64, ``promote`` takes
+    the widest input), except for a GEMM fp8 runs, whose format is its recipe's."""
+    if _in_fp8(site) or not isinstance(out, torch.Tensor):
+        return site
+    return dataclasses.replace(site, runs_in=_devices.dtype_name(out.dtype))
+
+
 def _projections(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, ...]]:
     """The ``linear`` calls ``F.multi_head_attention_forward(*args, **kwargs)`` makes inside (a mode sees only the
-    composite): its in-projections of query, key and value (one packed weight, or three), then its out-projection
-    (of a tensor shaped as the query)."""
+    composite): its in-projections, as torch makes them (self-attention: one packed linear of the query; a key
+    that is the value: one of the query and one of the key, by the packed weight's two parts; else three), then
+    its out-projection (of a tensor shaped as the query)."""
     bound = inspect.signature(torch.nn.functional.multi_head_attention_forward).bind(*args, **kwargs).arguments
     query, key, value = bound["query"], bound["key"], bound["value"]
     if bound.get("use_separate_proj_weight"):
-        calls: list[tuple[Any, ...]] = [(query, bound["q_proj_weight"]), (key, bound["k_proj_weight"]),
-                                        (value, bound["v_proj_weight"])]
+        biases = (None,) * 3 if bound.get("in_proj_bias") is None else bound["in_proj_bias"].chunk(3)
+        calls: list[tuple[Any, ...]] = [(query, bound["q_proj_weight"], biases[0]),
+                                        (key, bound["k_proj_weight"], biases[1]),
+                                        (value, bound["v_proj_weight"], biases[2])]  # fmt: skip
     else:
-        calls = [(query, bound["in_proj_weight"], bound["in_proj_bias"])]
-    return [*calls, (query, bound["out_proj_weight"], bound["out_proj_bias"])]
+        weight, bias = bound["in_proj_weight"], bound.get("in_proj_bias")
+        width = query.shape[-1]
+        if key is value and query is key:
+            calls = [(query, weight, bias)]
+        elif key is value:
+            halves = (None, None) if bias is None else bias.split([width, 2 * width])
+            weights = weight.split([width, 2 * width])
+            calls = [(query, weights[0], halves[0]), (key, weights[1], halves[1])]
+        else:
+            thirds = (None,) * 3 if bias is None else bias.chunk(3)
+            calls = [(t, w, b) for t, w, b in zip((query, key, value), weight.chunk(3), thirds, strict=True)]
+    return [*calls, (query, bound["out_proj_weight"], bound.get("out_proj_bias"))]
 
 
 def _dtype(tensors: list[torch.Tensor]) -> str:

@@ -275,7 +275,10 @@ def _ends_in_call_order(
     def seen(layer: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
         x = inputs[0] if inputs else None
         alive.append(x)
-        key = (id(x),) if not isinstance(x, torch.Tensor) else (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype)
+        # (the data the layer reads, then: a residual stream updated in place, ``h += block(h)``, is other data
+        # at each block, the same memory at a new version)
+        key = (id(x),) if not isinstance(x, torch.Tensor) else (x.data_ptr(), tuple(x.shape), x.stride(), x.dtype,
+                                                                  x._version)  # fmt: skip
         calls.append((id(layer), key))
 
     hooks = [layer.register_forward_pre_hook(seen) for layer in {id(m): m for _, m, _ in layers}.values()]

@@ -42,7 +42,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from mixprec import _compat, _errors
-from mixprec.engine import _amax
+from mixprec.engine import _amax, _state
 from mixprec.policies._format import FORMATS
 from mixprec.policies._recipe import Fp8Recipe
 
@@ -115,16 +115,18 @@ def quantise_weight(
     site: _amax.Site | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantise`` for a weight, kept while its ``source`` (the tensor the call got: the weight itself, or the
-    ``other`` that ``mm`` multiplies by, of which the weight is the transpose) is unchanged (not while tracing:
-    a compiled graph quantises in the graph, where the compiler fuses it). Under ``inference_mode`` it is made
-    outside that mode, as a normal tensor: it carries no autograd history, and a differentiable call later in
-    the step may save it for backward.
+    ``other`` that ``mm`` multiplies by, of which the weight is the transpose) is unchanged, for the region (not
+    outside one, and not while tracing: a compiled graph quantises in the graph, where the compiler fuses it).
+    Under ``inference_mode`` it is made outside that mode, as a normal tensor: it carries no autograd history,
+    and a differentiable call later in the step may save it for backward.
 
     Under a delayed recipe (``site``, rolled to this step) a kept quantisation also needs the same site at the
     same count of recorded steps: the scale comes from the site's history, which moves only when a step begins
     (a new stamp) or a saved history is loaded (a new site), and the weight's amax, recorded in the step's
     pending amaxes at its first call, is the same at every later call of the step."""
-    if _compat.tracing():
+    if _compat.tracing() or not _state._state.frames:
+        # (outside a region, a backward after it: nothing would clear the entry before the next region's end, and
+        # a weight changed through ``.data`` in between, which no stamp sees, would be quantised stale)
         return quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
     key = (id(source), tuple(weight.shape), weight.stride(), weight.dtype, dtype, recipe, dim)
     # (where the weight's data lives: a step may move it, ``p.data = ...``, and the entry it had is replaced)
@@ -342,6 +344,21 @@ def _source(t: torch.Tensor) -> torch.Tensor:
     return base if base is not None and base.numel() == t.numel() else t
 
 
+def _positional(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A call's positional parameters (by the op's schema) given positionally, as the dispatcher passes them:
+    a Python-level call (``explain``'s mode sees them) may name them, ``F.linear(input=x, weight=w)``, and
+    torch's functions name the schema's ``self`` ``input``."""
+    if not kwargs:
+        return args, kwargs
+    given, rest = list(args), dict(kwargs)
+    for parameter in [a for a in op._schema.arguments if not a.kwarg_only][len(given):]:
+        key = parameter.name if parameter.name in rest else "input" if parameter.name == "self" else None
+        if key not in rest:
+            break
+        given.append(rest.pop(key))
+    return tuple(given), rest
+
+
 def fit(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str) -> Gemm | str:
     """``Gemm(x, weight, bias, source)`` such that the call is ``F.linear(x, weight, bias)`` and fp8 can run it:
     a linear, mm, addmm (beta = alpha = 1, a 1-D bias) or matmul of a 2-D second operand, on float32, bfloat16
@@ -350,6 +367,7 @@ def fit(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str
     name = op.overloadpacket.__name__
     if op._overloadname != "default":
         return f"the {op._overloadname} overload is not a plain GEMM"
+    args, kwargs = _positional(op, args, kwargs)
     if name == "linear":
         x, weight, bias = (*args, None, None)[:3] if not kwargs else (args[0], args[1], kwargs.get("bias"))
         source = _source(weight)
