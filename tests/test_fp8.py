@@ -1304,3 +1304,58 @@ def test_a_weight_whose_data_moves_each_step_keeps_one_quantisation_in_a_long_re
             first = layer(x)
             assert torch.equal(layer(x), first)  # (the kept quantisation serves the step's later calls)
             assert len(_fp8._weights) == 1
+
+
+def test_a_rowwise_backward_after_the_region_keeps_no_weight_quantisation():
+    """The backward after a region (the usual place) quantised the weight's columns and kept them, as nothing
+    cleared them until the next region's end: a weight then changed through ``.data`` (no version counter sees
+    it) gave the next backward inside a region the old weight's gradient."""
+    torch.manual_seed(0)
+    policy = mixprec.policies.FP8.with_fp8_recipe(scaling="rowwise")
+    layer, x = torch.nn.Linear(64, 64, bias=False), torch.randn(32, 64, requires_grad=True)
+    with mixprec.autocast("cpu", policy=policy):
+        y = layer(x)
+    y.float().sum().backward()
+    assert not _fp8._weights
+    with torch.no_grad():
+        layer.weight.data.mul_(-3.0)
+
+    def grad_x():
+        x.grad = None
+        with mixprec.autocast("cpu", policy=policy):
+            layer(x).float().sum().backward()
+        return x.grad.clone()
+
+    stale = grad_x()
+    _fp8.clear_weight_cache()
+    assert torch.equal(stale, grad_x())
+
+
+def test_an_eps_beyond_float32_is_refused_when_the_recipe_is_made():
+    with pytest.raises(ValueError, match="at most float32's largest"):
+        Fp8Recipe(eps=1e39)
+
+
+def test_a_call_fp8_cannot_run_is_emulated_in_an_emulated_region_as_lower_precision_fp_is():
+    """An unaligned call falls back to the region's dtype 'as lower_precision_fp': under compute="emulated" that
+    is float32 kernels (it ran torch's bfloat16 kernel, the slow one on CPUs without bf16 units)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("addmm", "mm", "linear"):
+                self.seen.append(tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(64, 64), torch.randn(10, 64)  # 10 rows: not a multiple of 16
+    outs = {}
+    for policy in (mixprec.policies.CPU, mixprec.policies.FP8):
+        with mixprec.autocast("cpu", policy=policy, compute="emulated"), Log() as log:
+            outs[policy.name] = layer(x)
+        assert log.seen == [(torch.float32,) * 3]
+    assert outs["CPU"].dtype is torch.bfloat16 and torch.equal(outs["CPU"], outs["FP8"])

@@ -21,9 +21,12 @@ where every rank must call the sites in the same order: each carries its site's 
 parameters, and ranks that meet with different sites raise, ``_agree``): none runs in backward, beside DDP's
 and FSDP's own.
 Within a step the scales do not move, so a checkpoint's recompute (in the same step) quantises exactly as
-the forward did: gradients with checkpointing equal those without it. A weight that never changes (frozen)
-stays on the dynamic scale, and so, with a warning, does a weight that autograd computes in each step (a
-parametrization's): it is a new tensor at every call, with no history. Delayed scaling runs
+the forward did: gradients with checkpointing equal those without it. A step is a change of the weight's
+``stamp``: its version or the process's optimizer steps. So a weight that nothing changes while no optimizer
+steps (a frozen model under evaluation) stays on its first, dynamic scale, while a frozen layer of a model in
+training rolls its history with the optimizer's steps like every other. A weight that autograd computes in each
+step (a parametrization's) stays on the dynamic scale, with a warning: it is a new tensor at every call, with no
+history. Delayed scaling runs
 eagerly only: a compiled graph cannot carry the history.
 ``AmaxHistory(model).state_dict()`` holds plain tensors, by parameter name, that ``torch.load(...,
 weights_only=True)`` reads back.

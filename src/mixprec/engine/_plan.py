@@ -221,5 +221,8 @@ def keeps_weights(category: Category) -> bool:
     return category.action is Action.SCALED_MM or (target is not None and target.cached)
 
 
-#: The categories that cast to the region's dtype: the ops emulated compute takes over (``lower_precision_fp``).
-REGION_CASTS = frozenset(c for c in Category if c.action is Action.CAST and c.target == REGION)
+#: The categories whose compute in the region's dtype emulated compute takes over: those that cast to it
+#: (``lower_precision_fp``), and fp8's, whose calls fp8 cannot run run as ``lower_precision_fp`` does.
+REGION_CASTS = frozenset(
+    c for c in Category if (c.action is Action.CAST and c.target == REGION) or c.action is Action.SCALED_MM
+)

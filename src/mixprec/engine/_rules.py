@@ -152,20 +152,25 @@ def scaled(category: Category, recipe: Fp8Recipe) -> Rule:
         plan = decide(dtype, (), False, "")
         if task_id() >= 0 and not _recompute.recomputing():
             cast, cast_kwargs = _cast.cast_call(args, kwargs, plan.cast_to, device, True)  # type: ignore[arg-type]
+            if emulate:
+                return _emulate.call(dtype, op, cast, cast_kwargs, original=(args, kwargs))
             return op(*cast, **cast_kwargs)
-        return run_scaled(op, device, plan.cast_to, recipe, args, kwargs, cached=True)  # type: ignore[arg-type]
+        to: torch.dtype = plan.cast_to  # type: ignore[assignment]
+        return run_scaled(op, device, to, recipe, args, kwargs, cached=True, emulate=emulate)
 
     rule.__name__ = category.value
     return rule
 
 
 def run_scaled(
-    op: Op, device: str, dtype: torch.dtype, recipe: Fp8Recipe, args: Any, kwargs: Any, *, cached: bool
+    op: Op, device: str, dtype: torch.dtype, recipe: Fp8Recipe, args: Any, kwargs: Any, *, cached: bool,
+    emulate: bool = False,
 ) -> Any:
     """A call of an fp8 category's op: in fp8 under ``recipe`` with its output in ``dtype`` (the region's) where
-    fp8 can run it, else with its eligible tensors cast to ``dtype`` (weights through the cast cache if
-    ``cached``). The eager kernels call it, and so do the fp8 nodes the FX pass writes (``graph._fp8``), which
-    decide at run time as the kernels do."""
+    fp8 can run it, else as ``lower_precision_fp`` runs it: its eligible tensors cast to ``dtype`` (weights
+    through the cast cache if ``cached``), computed through ``_emulate`` in an emulated region. The eager
+    kernels call it, and so do the fp8 nodes the FX pass writes (``graph._fp8``), which decide at run time as
+    the kernels do."""
     found = _fp8.as_linear(op, args, kwargs, device)
     if found is not None:
         unavailable = _compat.no_autograd_function()
@@ -182,6 +187,8 @@ def run_scaled(
         x, weight, bias, source = found
         return _fp8.linear(x, weight, bias, recipe, dtype, source)
     cast, cast_kwargs = _cast.cast_call(args, kwargs, dtype, device, cached)
+    if emulate:
+        return _emulate.call(dtype, op, cast, cast_kwargs, original=(args, kwargs))
     return op(*cast, **cast_kwargs)
 
 
