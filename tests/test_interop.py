@@ -658,3 +658,22 @@ def test_script_refuses_a_module_under_a_policy():
     scripted = torch.jit.script(model)
     x = torch.randn(2, 8)
     assert torch.equal(scripted(x), model(x))
+
+
+@torch.jit.script
+def _scripted_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, b) + torch.cat([a, a]).sum()
+
+
+def test_a_scripted_graph_keeps_torchs_casts_to_float32_after_a_policy_region_registered_kernels():
+    """TorchScript's pass also casts ``add``'s inputs to float32, and no Autocast kernel casts ``add``: once a
+    policy region had registered mixprec's kernels for the pass's casts, a default region (and any other) passed
+    those through too, and the sum came out bfloat16, where torch.autocast gives float32."""
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with torch.autocast("cpu"):
+        native = [_scripted_sum(a, b) for _ in range(3)]
+    with mixprec.autocast("cpu", policy=mixprec.policies.CPU.with_ops(fp32=["softmax"])):
+        moved = _scripted_sum(a, b)
+    with mixprec.autocast("cpu"):
+        default = _scripted_sum(a, b)
+    assert native[0].dtype is F32 and torch.equal(moved, native[0]) and torch.equal(default, native[0])

@@ -256,24 +256,34 @@ def _register_jit_casts(key: str, device_type: str) -> None:
 
 
 def _jit_cast_kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
-    """A cast TorchScript's autocast pass wrote: where mixprec's rules are in force for the call (the thread's
-    region has its own policy or compute, or ``mixprec.install`` puts a setting in force), the tensor as it
-    is, since the op it feeds has mixprec's kernel, which casts by the policy (torch's cast ahead of it would
-    round a tensor the policy keeps in float32); elsewhere torch's cast. So TorchScript's pass stays on, and
-    a scripted graph optimised in one kind of region runs right in the other."""
+    """A cast TorchScript's autocast pass wrote. A cast to the lower precision, where mixprec's rules differ from
+    torch's for the call (the thread's region, or the setting ``mixprec.install`` puts in force, has its own
+    policy or compute): the tensor as it is, since the op it feeds is one torch's lists cast down, so it has an
+    Autocast kernel, mixprec's, which casts by the policy (torch's cast ahead of it would round a tensor the
+    policy keeps in float32). Elsewhere, and for every cast to float32 (the pass also writes them ahead of ops
+    no Autocast kernel casts, ``add``, whose dtype they decide; and a cast up loses nothing a policy needs),
+    torch's cast. So TorchScript's pass stays on, and a scripted graph optimised in one kind of region runs
+    right in the other."""
     after = _compat.keyset_after(_compat.dispatch_key(key))
     state = _state.get()
+    down = op.overloadpacket.__name__ == "_autocast_to_reduced_precision"
+
+    def own_rules() -> bool:
+        setting = state.active.get(device_type)
+        if setting is None and _install.current is not None:
+            setting = _install.installed_setting(
+                device_type, state.module_policies[-1] if state.module_policies else None
+            )
+        return setting is not None and (
+            setting.emulate or bool(setting.emulate_ops) or setting.policy != _tables.default_policy(device_type)
+        )
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(args[0], torch.Tensor):
             # A traced ``x + 1``: torch unboxed the wrapped number, which neither redispatch nor a call takes
             # for a Tensor; torch's kernel returns it as it came, the number's tensor (no cast applies to it).
             return torch.tensor(args[0], dtype=_NUMBER_DTYPES[type(args[0])])
-        if state.active.get(device_type) is not None or (
-            _install.current is not None
-            and _install.installed_setting(device_type, state.module_policies[-1] if state.module_policies else None)
-            is not None
-        ):
+        if down and own_rules():
             return args[0]
         return op.redispatch(keyset & after, *args, **kwargs)
 
