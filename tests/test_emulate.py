@@ -662,3 +662,33 @@ def test_strided_nested_tensors_in_an_emulated_region_run_as_torch_autocast_runs
     if grad:
         emulated.to_padded_tensor(0.0).float().sum().backward()
         assert a.grad is not None
+
+
+@pytest.mark.parametrize("bias_shape", [(), (1,)], ids=["0-dim", "one-element"])
+def test_an_emulated_linear_in_slices_broadcasts_its_bias_as_f_linear_does(bias_shape):
+    """An output past ``CHUNK_ELEMENTS`` is computed in column slices, which indexed the bias per slice: a 0-dim
+    or one-element bias raised where native broadcasts it. Its gradient is summed in float32, then rounded."""
+    x, w = torch.randn(16, 64), torch.randn(70000, 64)
+    bias = torch.randn(bias_shape, requires_grad=True)
+    with mixprec.autocast("cpu", compute="emulated"):
+        got = F.linear(x, w, bias)
+        whole = F.linear(x, w, bias.expand(70000))
+    assert got.dtype is torch.bfloat16 and torch.equal(got, whole)
+    got.float().sum().backward()
+    assert bias.grad.shape == bias_shape and bias.grad.item() == float(torch.tensor(16 * 70000.0).bfloat16())
+
+
+def test_an_emulated_op_keeps_the_float32_outputs_torchs_kernel_keeps():
+    """``_emulate.down`` rounded every float32 output to the low dtype; torch's kernels return some in float32
+    (``_fused_rms_norm``'s rstd, flash attention's logsumexp), as a policy moving them gives natively."""
+    policy = mixprec.policies.CPU.with_ops(
+        lower_precision_fp=["_scaled_dot_product_flash_attention_for_cpu", "_fused_rms_norm"]
+    )
+    q, x = torch.randn(1, 2, 4, 8), torch.randn(2, 4, requires_grad=True)
+    dtypes = {}
+    for compute in ("native", "emulated"):
+        with mixprec.autocast("cpu", policy=policy, compute=compute):
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, q, q)
+            y, rstd = torch.ops.aten._fused_rms_norm(x, [4], torch.ones(4), 1e-5)  # (with a graph: x needs grad)
+        dtypes[compute] = (out.dtype, lse.dtype, y.dtype, rstd.dtype)
+    assert dtypes["emulated"] == dtypes["native"] == (torch.bfloat16, torch.float32) * 2

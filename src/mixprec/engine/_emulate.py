@@ -58,7 +58,7 @@ import torch.utils._pytree as pytree
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from mixprec import _compat
-from mixprec.engine import _emulate_kernels
+from mixprec.engine import _emulate_kernels, _memo
 
 _Tensor = torch.Tensor
 
@@ -113,6 +113,48 @@ def target(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, An
             if isinstance(value, torch.dtype):
                 return value
     return low
+
+
+def targets(
+    func: Callable[..., Any], args: Any, kwargs: Any, out: torch.dtype, count: int
+) -> list[torch.dtype]:
+    """The dtype each of a call's ``count`` tensor outputs rounds to: ``out`` (``target``), except where torch's
+    own kernel returns float32 for the low-precision inputs ``args, kwargs`` (flash attention's logsumexp,
+    ``_fused_rms_norm``'s rstd), read off the op's meta kernel once per op, inputs' dtypes and other arguments."""
+    if count <= 1 or not isinstance(func, torch._ops.OpOverload) or len(func._schema.returns) <= 1:
+        return [out] * count
+    leaves = pytree.tree_leaves((args, kwargs))
+    key = (func, *(v.dtype if isinstance(v, _Tensor) else v for v in leaves))
+    try:
+        hash(key)
+    except TypeError:
+        return [out] * count
+
+    def meta() -> Any:
+        on_meta = pytree.tree_map(lambda v: torch.empty_like(v, device="meta") if isinstance(v, _Tensor) else v,
+                                  (args, kwargs))  # fmt: skip
+        return func(*on_meta[0], **on_meta[1])
+
+    found = _native.get(key, _MISSING)
+    if found is _MISSING:
+        found = _native.put(key, _meta_dtypes(meta))
+    if found is None or len(found) != count:
+        return [out] * count
+    return [torch.float32 if d is torch.float32 and out is not torch.float32 else out for d in found]
+
+
+_MISSING: Any = object()
+#: ``(op, its inputs' dtypes, its other arguments)`` -> its outputs' dtypes under torch's kernels, or None.
+_native: _memo.Memo[Any, tuple[torch.dtype, ...] | None] = _memo.Memo(512, "emulated outputs' dtypes")
+
+
+def _meta_dtypes(run: Callable[[], Any]) -> tuple[torch.dtype, ...] | None:
+    """The dtypes of the tensors ``run()`` returns (a call on meta tensors), or None where it cannot run."""
+    try:
+        with torch._C._DisableAutocast():
+            return tuple(t.dtype for t in pytree.tree_leaves(run()) if isinstance(t, _Tensor))
+    except Exception:  # (an op without a meta kernel: every output rounds to the target)
+        return None
 
 
 def _all_low(tensors: Iterator[Any], low: torch.dtype, others: bool = True) -> bool:
@@ -175,11 +217,18 @@ class _Call:
         self.out_spec: Any = None
         self.out_other: list[Any] = []  # the non-tensor output leaves, _SLOT where a tensor goes
 
-    def __call__(self, *tensors: Any) -> list[Any]:
+    def arguments(self, *tensors: Any) -> tuple[Any, Any]:
         leaves = list(self.leaves)
         for i, t in zip(self.where, tensors, strict=True):
             leaves[i] = t
-        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        return pytree.tree_unflatten(leaves, self.spec)  # type: ignore[no-any-return]
+
+    def rounding(self, tensors: Sequence[Any], out: torch.dtype, count: int) -> list[torch.dtype]:
+        """``targets`` for the call on ``tensors`` (its low-precision inputs)."""
+        return targets(self.func, *self.arguments(*tensors), out, count)
+
+    def __call__(self, *tensors: Any) -> list[Any]:
+        args, kwargs = self.arguments(*tensors)
         out_leaves, self.out_spec = pytree.tree_flatten(self.func(*args, **kwargs))
         self.out_other = [_SLOT if isinstance(v, _Tensor) else v for v in out_leaves]
         return out_leaves
@@ -203,7 +252,8 @@ class _Recompute(torch.autograd.Function):
         # Where the tensors are among the outputs: a recompute with grad on may return more of them
         # (mkldnn_rnn_layer's workspace is undefined without grad).
         ctx.positions = [i for i, t in enumerate(found) if isinstance(t, _Tensor)]
-        outs = tuple(down(found[i], out) for i in ctx.positions)
+        dtypes = call.rounding(tensors, out, len(ctx.positions))
+        outs = tuple(down(found[i], d) for i, d in zip(ctx.positions, dtypes, strict=True))
         ctx.mark_non_differentiable(*(t for t in outs if not t.is_floating_point()))
         return outs
 
@@ -273,8 +323,9 @@ def _generic(low: torch.dtype, func: Callable[..., Any], cast: tuple[Any, Any], 
             _sources(tensors, [originals[i] for i in where]) if len(originals) == len(leaves) else (None,) * len(where)
         )
         return call.rebuild(_Recompute.apply(call, low, out, sources, *tensors))
-    found = call(*(up(t, low) for t in tensors))
-    return call.rebuild([down(t, out) for t in found if isinstance(t, _Tensor)])
+    found = [t for t in call(*(up(t, low) for t in tensors)) if isinstance(t, _Tensor)]
+    dtypes = call.rounding(tensors, out, len(found))
+    return call.rebuild([down(t, d) for t, d in zip(found, dtypes, strict=True)])
 
 
 def call(
@@ -323,5 +374,7 @@ def _traced(low: torch.dtype, func: Callable[..., Any], args: tuple[Any, ...], k
     if not _all_low(iter(leaves), low):
         return func(*args, **kwargs)
     out = target(func, args, kwargs, low)
-    args, kwargs = pytree.tree_map(lambda v: up(v, low), (args, kwargs))
-    return pytree.tree_map(lambda v: down(v, out), func(*args, **kwargs))
+    upcast = pytree.tree_map(lambda v: up(v, low), (args, kwargs))
+    found, spec = pytree.tree_flatten(func(*upcast[0], **upcast[1]))
+    dtypes = iter(targets(func, args, kwargs, out, sum(isinstance(v, _Tensor) for v in found)))
+    return pytree.tree_unflatten([down(v, next(dtypes)) if isinstance(v, _Tensor) else v for v in found], spec)

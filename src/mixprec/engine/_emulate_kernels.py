@@ -92,7 +92,14 @@ def _slices(rows: int, features: int) -> list[slice]:
     return [slice(j, min(j + step, features)) for j in range(0, features, step)]
 
 
+def _in_slices(m: int, n: int, vector_bias: bool) -> bool:
+    """Whether a linear's ``m x n`` output is computed in slices of its columns: where it is large, and its bias
+    is none or a vector (a 0-dim or 1-element one broadcast; a 2-D one, as ``addmm`` takes, in one piece)."""
+    return vector_bias and len(_slices(m, n)) > 1
+
+
 def _linear_forward_sliced(low: torch.dtype, x: Tensor, w: Tensor, c: Tensor | None) -> Tensor:
+    c = None if c is None else c.expand(w.shape[0])  # (a 0-dim or 1-element bias broadcast, as F.linear does)
     x32 = x.float()
     out = torch.empty((*x.shape[:-1], w.shape[0]), dtype=low, device=x.device)
     for j in _slices(x32.numel() // max(x.shape[-1], 1), w.shape[0]):
@@ -105,7 +112,7 @@ def _linear_backward_sliced(low: torch.dtype, needs: Sequence[bool], g: Tensor, 
     x32 = r32(x, low).reshape(-1, x.shape[-1]) if needs[2] else None
     gx = torch.zeros(x.shape, dtype=torch.float32, device=g.device).reshape(-1, x.shape[-1]) if needs[1] else None
     gw = torch.empty(w.shape, dtype=low, device=g.device) if needs[2] else None
-    gc = torch.empty(w.shape[0], dtype=low, device=g.device) if needs[0] else None
+    gc = torch.empty(w.shape[0], dtype=torch.float32, device=g.device) if needs[0] else None  # (summed, then down)
     for j in _slices(g2.shape[0], g2.shape[1]):
         gj = g2[:, j].float()
         if gx is not None:
@@ -125,7 +132,7 @@ class _Product(Kernel):
     def forward(self, params: Any, low: torch.dtype, *tensors: Any) -> Tensor:
         kind, beta, alpha = params
         c, a, b = tensors
-        if kind == "linear" and len(_slices(a.numel() // max(a.shape[-1], 1), b.shape[0])) > 1:
+        if kind == "linear" and _in_slices(a.numel() // max(a.shape[-1], 1), b.shape[0], c is None or c.dim() <= 1):
             return _linear_forward_sliced(low, a, b, c)
         c, a, b = (r32(t, low) for t in tensors)
         if kind == "linear":
@@ -144,9 +151,10 @@ class _Product(Kernel):
     ) -> Grads:
         kind, beta, alpha = params
         _, a, b = saved
-        if kind == "linear" and len(_slices(g.numel() // max(g.shape[-1], 1), g.shape[-1])) > 1:
+        vector = shapes[0] is None or len(shapes[0]) <= 1
+        if kind == "linear" and _in_slices(g.numel() // max(g.shape[-1], 1), g.shape[-1], vector):
             gc, ga, gb = _linear_backward_sliced(low, needs, g, a, b)
-            return (None if gc is None else gc.sum_to_size(shapes[0])), ga, gb
+            return (None if gc is None else _down(gc.sum_to_size(shapes[0]), low)), ga, gb
         g, a, b = g.float(), r32(a, low), r32(b, low)
         if kind == "linear":
             g2 = g.reshape(-1, g.shape[-1])
