@@ -420,7 +420,7 @@ def test_unlisted_custom_ops_of_every_shape_match_native(call):
         ("_batch_norm_with_update", "'_batch_norm_with_update_functional'"),
     ],
     ids=["Tensor.__matmul__", "__matmul__", "Tensor.__rpow__", "F.cross_entropy", "F.normalize", "exp.out",
-         "aten::mm.out", "add_", "_batch_norm_with_update"],  # fmt: skip
+         "aten::mm.out", "add_", "_batch_norm_with_update"],
 )
 def test_an_edit_of_a_name_no_autocast_kernel_sees_is_refused_with_what_to_name(op, names):
     """Autocast acts on the dispatcher's functional ATen overloads: an operator spelling, a Python function over
