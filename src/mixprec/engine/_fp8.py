@@ -113,10 +113,12 @@ def quantise_weight(
     recipe: Fp8Recipe,
     dim: int | None,
     site: _amax.Site | None = None,
+    keep: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantise`` for a weight, kept while its ``source`` (the tensor the call got: the weight itself, or the
-    ``other`` that ``mm`` multiplies by, of which the weight is the transpose) is unchanged, for the region (not
-    outside one, and not while tracing: a compiled graph quantises in the graph, where the compiler fuses it).
+    """``quantise`` for a weight, kept (where ``keep``: a call in a region) while its ``source`` (the tensor the
+    call got: the weight itself, or the ``other`` that ``mm`` multiplies by, of which the weight is the
+    transpose) is unchanged, for the region (not while tracing: a compiled graph quantises in the graph, where
+    the compiler fuses it).
     Under ``inference_mode`` it is made outside that mode, as a normal tensor: it carries no autograd history,
     and a differentiable call later in the step may save it for backward.
 
@@ -124,9 +126,7 @@ def quantise_weight(
     same count of recorded steps: the scale comes from the site's history, which moves only when a step begins
     (a new stamp) or a saved history is loaded (a new site), and the weight's amax, recorded in the step's
     pending amaxes at its first call, is the same at every later call of the step."""
-    if _compat.tracing() or not _state._state.frames:
-        # (outside a region, a backward after it: nothing would clear the entry before the next region's end, and
-        # a weight changed through ``.data`` in between, which no stamp sees, would be quantised stale)
+    if _compat.tracing() or not keep:
         return quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
     key = (id(source), tuple(weight.shape), weight.stride(), weight.dtype, dtype, recipe, dim)
     # (where the weight's data lives: a step may move it, ``p.data = ...``, and the entry it had is replaced)
@@ -293,7 +293,10 @@ class _Fp8Linear(torch.autograd.Function):
             if need_x or observed:
                 gq, sg = quantise(g, backward, recipe, 1)  # grad_x = g @ w: contracted over N
             if need_x:
-                wq_cols, sw_cols = quantise_weight(weight, ctx.source, forward, recipe, 0)
+                # (kept only in a region: after it, as a backward usually runs, nothing would drop it before the
+                # next region's end, and a weight changed through ``.data`` in between would be quantised stale)
+                in_region = bool(_state._state.frames) or torch.is_autocast_enabled(weight.device.type)
+                wq_cols, sw_cols = quantise_weight(weight, ctx.source, forward, recipe, 0, keep=in_region)
                 grad_x = scaled_mm(gq.contiguous(), sg, _column_major(wq_cols), sw_cols, x_dtype)  # type: ignore[union-attr,arg-type]
             if need_w:
                 gq_cols, sg_cols = quantise(g, backward, recipe, 0)  # grad_w = g.t() @ x: contracted over M

@@ -169,6 +169,8 @@ def edit_name(op: object, listed: Mapping[str, object] | None = None, *, removin
     acts on the dispatcher's functional ATen overloads only. Removing an entry the table lists stays allowed."""
     listed = {} if listed is None else listed
     name = op_name(op, listed)
+    if torch.compiler.is_compiling():  # (a policy made in compiled code is refused as it is built: ``Policy``)
+        return name
     if _resolve.dispatcher_overloads(name) or not _resolve.callables(name) or (removing and name in listed):
         return name
     if any(isinstance(f, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) for f in _resolve.callables(name)):
