@@ -18,6 +18,7 @@ import json
 import os
 import pathlib
 import platform
+import sys
 import time
 
 import pytest
@@ -197,6 +198,18 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "facts": _facts(),
     }
     pathlib.Path(target).write_text(json.dumps(result, indent=1) + "\n")  # features in FEATURES order
+
+
+@pytest.fixture(autouse=True)
+def _inductor_roundings():
+    """Put back inductor's ``emulate_precision_casts``, which tracing emulated compute turns on for the process
+    (``_compat.keep_roundings``): each test compiles under torch's default."""
+    config = sys.modules.get("torch._inductor.config")
+    before = getattr(config, "emulate_precision_casts", None)
+    yield
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None:
+        config.emulate_precision_casts = bool(before)
 
 
 @pytest.fixture(autouse=True)

@@ -634,3 +634,35 @@ def test_a_compiled_region_leaves_the_thread_holding_nothing(where):
         compiled = _compile(step)
         assert compiled(X).dtype is torch.float32
     assert threading.get_ident() not in _state.holders
+
+
+def test_inductor_keeps_emulated_computes_roundings():
+    """Inductor folded ``x.to(float16).float()`` into ``x.float()``: an emulated float16 linear whose products
+    overflow came out finite compiled (102400, where eager mixprec and native give inf, so the GradScaler never
+    backed off), and a bfloat16 one gave float32's values."""
+    import torch._inductor.config as config
+
+    lin = torch.nn.Linear(64, 4, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(40.0)
+    x = torch.full((2, 64), 40.0)  # each product 64 * 1600 = 102400, past float16's largest
+
+    def step(x, dtype):
+        with mixprec.autocast("cpu", dtype=dtype, compute="emulated"):
+            return lin(x).float(), (lin(x * 1.001) * 1.0).float()  # (the consumers cast up)
+
+    assert not config.emulate_precision_casts  # (torch's default: the conftest puts it back after each test)
+    if not _compat._inductor_emulates_casts():  # torch 2.10: the option fails in inductor's CPU code: a warning
+        torch._dynamo.reset()
+        _compat._warn_roundings_lost.cache_clear()  # (once a process)
+        with pytest.warns(UserWarning, match="cannot keep emulated compute's roundings"):
+            _compile(step, "inductor")(x, torch.float16)
+        assert not config.emulate_precision_casts
+        return
+    for dtype in (torch.float16, BF16):
+        torch._dynamo.reset()
+        eager, compiled = step(x, dtype), _compile(step, "inductor")(x, dtype)
+        assert all(torch.equal(c, e) for c, e in zip(compiled, eager, strict=True))
+    assert eager[0].isfinite().all() and compiled[0].isfinite().all()  # (bf16's range)
+    assert torch.compile(step, backend="inductor")(x, torch.float16)[0].isinf().all()
+    assert config.emulate_precision_casts

@@ -360,6 +360,62 @@ def key_inductor(key: tuple[Any, ...]) -> None:
     config.post_grad_custom_pre_pass = _SettingsPass(key, inner)
 
 
+def keep_roundings() -> None:
+    """Make inductor keep the roundings to bfloat16 and float16 in the graphs it compiles, emulated compute's
+    (``_emulate._traced``, as a make_fx trace records them) and those of the ops that read their results.
+
+    By default inductor elides a downcast that an upcast follows: its joint-graph pass folds ``x.to(low).float()``
+    into ``x.float()``, and a fused kernel keeps low-precision values in float32. An emulated op's float16
+    overflow then came out finite (the GradScaler never backed off) and its bfloat16 result float32's. Turned on
+    the first time a trace records an emulated op, and left on for the process (a graph compiled later, such as
+    a lazily compiled backward, needs it too): ``config.emulate_precision_casts`` (torch/_inductor/config.py,
+    "emulate the eager numerics"), and the trace's own proxy mode, created before, which tags each low-precision
+    op it records with the option on (``ProxyTorchDispatchMode.emulate_precision_casts``, torch/fx/experimental/
+    proxy_tensor.py). The same names on every supported release. Outside a trace, or without inductor loaded,
+    nothing."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None and not getattr(config, "emulate_precision_casts", True):
+        if not _inductor_emulates_casts():
+            _warn_roundings_lost()
+            return
+        config.emulate_precision_casts = True  # type: ignore[attr-defined]
+    from torch.fx.experimental import proxy_tensor
+
+    mode = proxy_tensor.get_proxy_mode()
+    if mode is not None and hasattr(mode, "emulate_precision_casts"):
+        mode.emulate_precision_casts = True
+
+
+@functools.cache
+def _inductor_emulates_casts() -> bool:
+    """Whether inductor's CPU code generation takes ``emulate_precision_casts``: torch 2.10's vectorised
+    ``CppVecOverrides.to_dtype`` names its argument ``use_compute_dtypes`` and raises a TypeError for the
+    ``use_compute_types`` the option passes (torch/_inductor/codegen/cpp.py)."""
+    import inspect
+
+    from torch._inductor.codegen import cpp
+
+    return "use_compute_types" in inspect.signature(cpp.CppVecOverrides.to_dtype).parameters
+
+
+@functools.cache
+def _warn_roundings_lost() -> None:
+    import warnings
+
+    warnings.warn(
+        _errors.message(
+            f"torch {torch.__version__}'s inductor cannot keep emulated compute's roundings",
+            "its option that keeps casts down (emulate_precision_casts) fails in its CPU code generation, and "
+            "without it a compiled graph folds a result's rounding into the cast up of the op that reads it: "
+            "compiled results come closer to float32's than eager ones, and a float16 overflow can come out finite",
+            received={"torch": torch.__version__},
+            fix="Upgrade torch (2.13 and later keep them), compile with another backend (aot_eager), or run "
+            "the region with compute='native'.",
+        ),
+        stacklevel=3,
+    )
+
+
 # ---------------------------------------------------------------- dispatcher
 #
 # torch/csrc/utils/python_dispatch.cpp and torch/library.py; the same calls on every supported release.

@@ -373,8 +373,10 @@ def _traced(low: torch.dtype, func: Callable[..., Any], args: tuple[Any, ...], k
     leaves = pytree.tree_leaves((args, kwargs))
     if not _all_low(iter(leaves), low):
         return func(*args, **kwargs)
+    _compat.keep_roundings()  # (inductor would fold the roundings below into their consumers' upcasts)
     out = target(func, args, kwargs, low)
     upcast = pytree.tree_map(lambda v: up(v, low), (args, kwargs))
     found, spec = pytree.tree_flatten(func(*upcast[0], **upcast[1]))
     dtypes = iter(targets(func, args, kwargs, out, sum(isinstance(v, _Tensor) for v in found)))
-    return pytree.tree_unflatten([down(v, next(dtypes)) if isinstance(v, _Tensor) else v for v in found], spec)
+    rounded = [down(v, next(dtypes)) if isinstance(v, _Tensor) else v for v in found]
+    return pytree.tree_unflatten(rounded, spec)
