@@ -365,3 +365,35 @@ def test_a_python_callable_is_explained_by_the_op_that_decides_its_dtype(policy,
     with mixprec.autocast("cpu", dtype=torch.bfloat16, policy=chosen, compute="native"):
         got = fn(*args, **kwargs)
     assert why.runs_in is got.dtype, why
+
+
+@pytest.mark.parametrize(
+    ("policy", "op", "dtype", "call"),
+    [
+        ("CPU", torch.Tensor.__matmul__, torch.float32, lambda x: x @ x),
+        ("CPU", "__matmul__", torch.float32, lambda x: x @ x),
+        ("CPU", F.cross_entropy, torch.bfloat16, lambda x: F.cross_entropy(x, x.softmax(-1))),
+        ("CUDA", torch.Tensor.__rpow__, torch.bfloat16, lambda x: 2.0**x),
+    ],
+    ids=["Tensor.__matmul__", "'__matmul__'", "F.cross_entropy", "Tensor.__rpow__"],
+)
+def test_explain_without_an_example_runs_a_python_callable_with_as_many_tensors_as_it_takes(policy, op, dtype, call):
+    """Explain traced a callable with one tensor (input_dtypes' count), which ``x @ y`` and ``F.cross_entropy``
+    cannot take, then answered from the absent table entry of the Python name: float32 for ``__matmul__``, which
+    runs in bfloat16."""
+    policy = getattr(mixprec.policies, policy)
+    x = torch.randn(8, 8, dtype=dtype)
+    with mixprec.autocast("cpu", policy=policy):
+        ran = call(x).dtype
+    assert mixprec.explain(op, "cpu", policy, input_dtypes=(dtype,)).runs_in is ran
+
+
+def test_explain_with_an_example_that_raises_under_autocast_says_so(capfd):
+    """A trace of ``torch.dot(bfloat16, float32)`` raises (autocast off); explain then ignored the example and gave
+    a dtype, after fake tensors logged the error with its traceback."""
+    a, b = torch.randn(8).bfloat16(), torch.randn(8)
+    with pytest.raises(RuntimeError, match="same dtype") as native, torch.autocast("cpu"):
+        torch.dot(a, b)
+    why = mixprec.explain(torch.dot, "cpu", example=(a, b))
+    assert why.runs_in is None and why.raises is not None and "same dtype" in why.raises
+    assert "same dtype" in str(native.value) and "fake_tensor" not in capfd.readouterr().err

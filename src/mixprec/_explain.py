@@ -31,7 +31,7 @@ import torch.utils._pytree
 
 from mixprec import _autocast, _call_sites, _errors, _explain_run
 from mixprec.engine import _devices, _kernels, _plan, _tables
-from mixprec.policies import Category, Policy, _names, _serial
+from mixprec.policies import Category, Policy, _names, _resolve, _serial
 from mixprec.policies._category import Action
 
 _float32 = torch.float32
@@ -180,6 +180,8 @@ def explain(
         found = [t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
         input_dtypes = tuple(found) or (_float32,)
     inputs = _input_dtypes((_float32,) if input_dtypes is None else input_dtypes)
+    if isinstance(asked, str) and not _resolve.dispatcher_overloads(name):  # ("__matmul__": run what reaches it)
+        asked = next((f for f in _resolve.callables(name) if not isinstance(f, torch._ops.OpOverload)), asked)
     call = _call(asked, name, len(inputs), example is not None, args, kwargs, _tables.effective(policy, device_type)[0])
     notes = []
     if call is not None and call.op.overloadpacket._qualified_op_name != _packet_of(name):
@@ -267,12 +269,19 @@ def _call(
     """The ATen call to run for ``asked`` (see ``_explain_run``; a callable's first ``listed`` one), or None."""
     if callable(asked) and not isinstance(asked, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         if given:
-            return _explain_run.traced(asked, args, kwargs, listed)
-        for shape in _explain_run.SHAPES:
-            tensors = tuple(_explain_run.Spec(shape, _float32, True) for _ in range(count))
-            found = _explain_run.traced(asked, tensors, {}, listed)
+            found = _explain_run.traced(asked, args, kwargs, listed)
             if found is not None:
                 return found
+            # (the trace raised with autocast off, as a call of mixed dtypes may: the example runs by the name)
+        else:
+            # As many tensors as input_dtypes gives, else one or two more, its last dtype repeated (``x @ y``
+            # needs two), as ``_explain_run.run`` repeats it.
+            counts = (count, count + 1, count + 2)
+            for n, shape in ((n, s) for n in counts for s in _explain_run.SHAPES):
+                tensors = tuple(_explain_run.Spec(shape, _float32, True) for _ in range(n))
+                found = _explain_run.traced(asked, tensors, {}, listed)
+                if found is not None:
+                    return found
     qualified = name if "::" in name else f"aten::{name}"
     if given:
         return _explain_run.from_example(asked, qualified, args, kwargs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import warnings
 from collections.abc import Callable, Container, Iterator
 from typing import Any
@@ -177,6 +178,9 @@ def aten_calls(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         call_args, call_kwargs = pytree.tree_unflatten(values, spec)
         return fn(*call_args, **call_kwargs)
 
+    logger = logging.getLogger("torch._subclasses.fake_tensor")  # (it logs the error it raises, traceback and all)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
     try:
         with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), torch._C._DisableAutocast():
             warnings.simplefilter("ignore")
@@ -184,6 +188,8 @@ def aten_calls(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
             graph = make_fx(rebuilt, pre_dispatch=True)(*tensors)
     except Exception:  # whatever stops the trace (data-dependent control flow, an op fake tensors lack)
         return []
+    finally:
+        logger.setLevel(level)
 
     def value(v: Any) -> Any:
         return _spec(v.meta["val"]) if isinstance(v, torch.fx.Node) else v
