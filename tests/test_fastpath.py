@@ -129,6 +129,58 @@ def test_a_load_waits_while_another_process_loads_there(tmp_path, monkeypatch):
     assert not lock_there and waited > 1.0  # the other's lock was left alone until it had finished
 
 
+def test_a_library_cut_short_is_built_again_before_anything_imports_it(tmp_path, monkeypatch):
+    """A truncated cached library killed every later process on import (SIGBUS), or failed in each with 'file too
+    short' and was never built again: a load seals the library it imported with its SHA-256, and a library whose
+    seal is missing or wrong goes, with the build's other files, before torch's load."""
+    name = "mixprec_fastpath_test"
+    library = tmp_path / f"{name}.so"
+    seen = []
+
+    def build(name, sources, **kwargs):  # (torch's load, stubbed: it builds the library where none is)
+        seen.append(library.exists())
+        if not library.exists():
+            library.write_bytes(b"\x7fELF whole library")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", build)
+    library.write_bytes(b"\x7fELF cut")  # (made before seals, or cut short: no seal)
+    (tmp_path / "fastpath.o").write_bytes(b"object")
+    _compat.load_extension(name, "x.cpp", tmp_path)
+    assert seen == [False] and not (tmp_path / "fastpath.o").exists()
+    _compat.load_extension(name, "x.cpp", tmp_path)  # sealed: kept
+    assert seen == [False, True]
+    library.write_bytes(library.read_bytes()[:5])  # cut short after its seal
+    _compat.load_extension(name, "x.cpp", tmp_path)
+    assert seen == [False, True, False] and library.read_bytes() == b"\x7fELF whole library"
+
+
+def test_a_build_without_a_compiler_says_so(tmp_path, monkeypatch):
+    """With no compiler, torch's build failed with ninja's last line ('build stopped: subcommand failed')."""
+    monkeypatch.setenv("CXX", "/nowhere/c++")
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda *a, **k: pytest.fail("no build without a compiler"))
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler: '/nowhere/c\\+\\+'"):
+        _compat.load_extension("mixprec_fastpath_test", "x.cpp", tmp_path)
+
+
+def test_the_warning_of_a_failed_build_says_where_and_how_to_skip_it(tmp_path, monkeypatch, caplog):
+    from mixprec.engine import _fastpath
+
+    monkeypatch.setenv("MIXPREC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_compat, "load_extension", lambda *a: (_ for _ in ()).throw(RuntimeError("no C++ compiler")))
+    monkeypatch.setattr(_fastpath, "_failure", [])
+    with caplog.at_level("WARNING", logger=_fastpath._log.name):
+        assert _fastpath._build() is None
+    assert str(tmp_path) in caplog.text and "MIXPREC_CPP=0 skips the build" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", "no"])
+def test_mixprec_cpp_takes_the_usual_spellings_of_no(value, monkeypatch):
+    from mixprec.engine import _fastpath
+
+    monkeypatch.setenv("MIXPREC_CPP", value)
+    assert _fastpath._not_wanted() and _fastpath._build() is None
+
+
 pytestmark = pytest.mark.skipif(os.environ.get("MIXPREC_CPP") == "0", reason="MIXPREC_CPP=0: no C++ kernels")
 
 

@@ -215,3 +215,18 @@ def test_an_installation_keeps_a_bounded_number_of_module_policy_settings():
             with mixprec.set_module_policy(layer, policy), torch.autocast("cpu"):
                 assert layer(x).dtype is torch.bfloat16
         assert len(_installation.current._module_settings) == _installation._MODULE_SETTINGS
+
+
+def test_an_installation_in_force_through_a_reset_keeps_its_kernels():
+    """``mixprec.engine.reset()`` took every kernel away, an installation's too, which nothing registered again:
+    its handle said active while torch.autocast regions ran torch's table (linear in bfloat16)."""
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    handle = mixprec.install(mixprec.policies.CPU.with_ops(fp32=["linear"]))
+    try:
+        mixprec.engine.reset()
+        with torch.autocast("cpu"):
+            assert torch.nn.functional.linear(x, w).dtype is F32 and handle.active
+    finally:
+        handle.remove()
+    with torch.autocast("cpu"):
+        assert torch.nn.functional.linear(x, w).dtype is BF16

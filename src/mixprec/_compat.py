@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
+import os
 import re
+import shutil
 import sys
 import time
 import types
@@ -503,7 +506,9 @@ def load_extension(name: str, source: str, directory: Path) -> Any:
     there, and a ``lock`` file found is stale and removed. Where no OS lock can be had, a ``lock`` older than any
     build takes is removed instead. A load that fails or is interrupted forgets torch's record of the build
     (``cpp_extension.JIT_EXTENSION_VERSIONER``, a dict ``entries`` by name on every supported release), so that
-    another load in the process builds again."""
+    another load in the process builds again. A load that succeeds seals the library with its SHA-256; one whose
+    seal is missing or wrong (cut short) is built again before anything imports it. A build with no compiler on
+    PATH fails at once, saying so, instead of with ninja's last line."""
     from torch.utils import cpp_extension
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -514,8 +519,19 @@ def load_extension(name: str, source: str, directory: Path) -> Any:
                 lock.unlink()
         except FileNotFoundError:
             pass
+        library, seal = directory / f"{name}.so", directory / f"{name}.so.sha256"
+        if library.exists() and (not seal.exists() or seal.read_text().strip() != _digest(library)):
+            # A library that no load saw whole (a disk that filled, a copy cut short): importing it can kill the
+            # process (SIGBUS) or fail in every process after. Built again.
+            for made in directory.iterdir():
+                if made.is_file() and made.name not in ("lock", "mixprec.lock"):
+                    made.unlink()
+        if not library.exists():
+            compiler = os.environ.get("CXX") or "c++"
+            if shutil.which(compiler) is None:
+                raise RuntimeError(f"no C++ compiler: {compiler!r} (CXX, else c++) is not on PATH")
         try:
-            return cpp_extension.load(
+            module = cpp_extension.load(
                 name, [source], extra_cflags=["-O2"], build_directory=str(directory), verbose=False
             )
         except BaseException:
@@ -523,6 +539,13 @@ def load_extension(name: str, source: str, directory: Path) -> Any:
             # (Ctrl-C), a load again in this process would build nothing and fail to import the library
             cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)
             raise
+        with contextlib.suppress(OSError):  # (a directory only read: the next load checks again)
+            seal.write_text(_digest(library) + "\n")
+        return module
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @contextlib.contextmanager

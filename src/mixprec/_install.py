@@ -7,7 +7,7 @@ The installation itself (what is in force, the settings it resolves, the handle)
 from __future__ import annotations
 
 from mixprec import _errors
-from mixprec.engine import _compute, _devices, _installation, _kernels, _tables
+from mixprec.engine import _compute, _installation, _kernels
 from mixprec.engine._installation import InstallHandle
 from mixprec.policies import Policy
 
@@ -41,10 +41,6 @@ def install(policy: Policy | None = None, *, compute: str = "auto") -> InstallHa
     _errors.check_type("policy", policy, Policy, optional=True)
     _compute.check_compute(compute)
     installation = _installation.Installation(policy, compute)
-    for device, spec in _devices.DEVICES.items():
-        if _tables.autocast_key(device) is None or not spec.available():
-            continue
-        for dtype in spec.supported_dtypes:
-            _kernels.ensure(installation.setting_for(device, dtype))
+    _kernels.ensure_installed(installation)
     _installation.put(installation)
     return _installation.InstallHandle(installation)

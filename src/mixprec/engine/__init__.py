@@ -27,13 +27,16 @@ def reset() -> None:
       (``ONEDNN_MAX_CPU_ISA`` read again).
 
     What a test opens stays its own to close: regions, module policies and an ``install`` are left alone (the
-    suite's ``_no_autocast_leak`` fixture checks that each test closed them). Compile tokens stay too, as a
-    compiled graph may still hold one.
+    suite's ``_no_autocast_leak`` fixture checks that each test closed them). An installation still in force gets
+    its kernels again, so ``torch.autocast`` regions keep following it; a region open through the reset runs on
+    torch's kernels for the rest of its body. Compile tokens stay too, as a compiled graph may still hold one.
     """
-    from mixprec.engine import _amax, _compute, _fp8, _kernels, _memo
+    from mixprec.engine import _amax, _compute, _fp8, _installation, _kernels, _memo
 
     _kernels.reset()
     _memo.clear_all()
     _compute.clear_probes()
     _fp8.clear_weight_cache()
     _amax.clear()
+    if _installation.current is not None:
+        _kernels.ensure_installed(_installation.current)

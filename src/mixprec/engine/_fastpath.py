@@ -64,9 +64,14 @@ _native_on = True  # False while mixprec.install is in force: then a call with n
 _MAX_SLOTS = 8  # _fastpath.cpp's kDevices
 
 
+def _not_wanted() -> bool:
+    """``MIXPREC_CPP`` says no: ``0``, ``false``, ``off`` or ``no``, in any case."""
+    return os.environ.get("MIXPREC_CPP", "1").strip().lower() in ("0", "false", "off", "no")
+
+
 def disabled_reason() -> str | None:
     """Why the C++ kernels are not in use (``MIXPREC_CPP=0``, or the build failed), or None once they are."""
-    if os.environ.get("MIXPREC_CPP", "1") == "0":
+    if not _loaded and _not_wanted():
         return "MIXPREC_CPP=0"
     return _failure[0] if _failure else None
 
@@ -82,7 +87,7 @@ def extension() -> Any:
 
 
 def _build() -> Any:
-    if os.environ.get("MIXPREC_CPP", "1") == "0":
+    if _not_wanted():
         return None
     source = _SOURCE.read_bytes()
     tag = hashlib.sha256(source + torch.__version__.encode() + sys.version.encode()).hexdigest()[:12]
@@ -92,7 +97,11 @@ def _build() -> Any:
         module = _compat.load_extension(name, str(_SOURCE), build_directory() / name)
     except Exception as error:
         _failure.append(f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error) else ''}")
-        _log.warning("mixprec: C++ kernels unavailable (%s); the Python kernels run instead", _failure[0])
+        _log.warning(
+            "mixprec: C++ kernels unavailable (%s); the Python kernels run instead. They are built in %s "
+            "(MIXPREC_CACHE_DIR names another directory); MIXPREC_CPP=0 skips the build.",
+            _failure[0], build_directory(),
+        )
         return None
     from mixprec.engine import _cast, _plan
 

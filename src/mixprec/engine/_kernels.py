@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from mixprec import _compat, _errors
-from mixprec.engine import _cast, _fastpath, _guard, _memo, _plan, _recompute, _rules, _state, _tables
+from mixprec.engine import _cast, _devices, _fastpath, _guard, _memo, _plan, _recompute, _rules, _state, _tables
 from mixprec.engine import _installation as _install
 from mixprec.policies import Category, Policy
 from mixprec.policies._category import Action
@@ -69,6 +69,16 @@ def needed(setting: _state.Setting) -> frozenset[Op]:
 
 def _emulated(setting: _state.Setting, op: Op) -> bool:
     return setting.emulate or (bool(setting.emulate_ops) and _tables.qualified(op) in setting.emulate_ops)
+
+
+def ensure_installed(installation: _install.Installation) -> None:
+    """Register the kernels ``installation`` needs on every device torch autocasts here (``mixprec.install``, and
+    ``mixprec.engine.reset`` for an installation still in force)."""
+    for device, spec in _devices.DEVICES.items():
+        if _tables.autocast_key(device) is None or not spec.available():
+            continue
+        for dtype in spec.supported_dtypes:
+            ensure(installation.setting_for(device, dtype))
 
 
 def ensure(setting: _state.Setting) -> None:
