@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mixprec import _errors
+from mixprec import _compat, _errors
 from mixprec.policies import _resolve
 from mixprec.policies._category import Action, Category
 
@@ -169,7 +169,7 @@ def edit_name(op: object, listed: Mapping[str, object] | None = None, *, removin
     acts on the dispatcher's functional ATen overloads only. Removing an entry the table lists stays allowed."""
     listed = {} if listed is None else listed
     name = op_name(op, listed)
-    if torch.compiler.is_compiling():  # (a policy made in compiled code is refused as it is built: ``Policy``)
+    if _compat.dynamo_tracing():  # (a policy made in compiled code is refused as it is built: ``Policy``)
         return name
     if _resolve.dispatcher_overloads(name) or not _resolve.callables(name) or (removing and name in listed):
         return name
