@@ -692,3 +692,20 @@ def test_an_emulated_op_keeps_the_float32_outputs_torchs_kernel_keeps():
             y, rstd = torch.ops.aten._fused_rms_norm(x, [4], torch.ones(4), 1e-5)  # (with a graph: x needs grad)
         dtypes[compute] = (out.dtype, lse.dtype, y.dtype, rstd.dtype)
     assert dtypes["emulated"] == dtypes["native"] == (torch.bfloat16, torch.float32) * 2
+
+    class Devices(TorchDispatchMode):  # (the probe of torch's dtypes runs outside the modes in force)
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.update(a.device.type for a in args if isinstance(a, torch.Tensor))
+            return func(*args, **(kwargs or {}))
+
+    seen: set[str] = set()
+    from mixprec.engine import _emulate
+
+    _emulate._native.clear()
+    with mixprec.autocast("cpu", policy=policy, compute="emulated"), Devices():
+        torch.ops.aten._fused_rms_norm(x, [4], torch.ones(4), 1e-5)
+    assert seen == {"cpu"}
+    compiled = torch.compile(lambda t: torch.ops.aten._fused_rms_norm(t, [4], torch.ones(4), 1e-5), backend="aot_eager")
+    _emulate._native.clear()
+    with mixprec.autocast("cpu", policy=policy, compute="emulated"):
+        assert [t.dtype for t in compiled(x)] == [torch.bfloat16, torch.float32]

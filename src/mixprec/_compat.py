@@ -389,6 +389,15 @@ def keep_roundings() -> None:
         mode.emulate_precision_casts = True
 
 
+def outside_modes() -> contextlib.AbstractContextManager[Any]:
+    """Every dispatch mode set aside while the block runs (a trace's proxy, fake and functional modes, a user's
+    logging mode): plain tensors made inside are neither recorded nor seen
+    (``torch.utils._python_dispatch._disable_current_modes``, on every supported release)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()  # type: ignore[no-any-return]
+
+
 @functools.cache
 def _inductor_emulates_casts() -> bool:
     """Whether inductor's CPU code generation takes ``emulate_precision_casts``: torch 2.10's vectorised

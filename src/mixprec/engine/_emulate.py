@@ -130,13 +130,19 @@ def targets(
     except TypeError:
         return [out] * count
 
-    def meta() -> Any:
-        on_meta = pytree.tree_map(lambda v: torch.empty_like(v, device="meta") if isinstance(v, _Tensor) else v,
-                                  (args, kwargs))  # fmt: skip
-        return func(*on_meta[0], **on_meta[1])
+    def meta() -> Any:  # (outside every mode: a trace records nothing of it, a user's mode sees nothing)
+        with _compat.outside_modes():
+            on_meta = pytree.tree_map(
+                lambda v: torch.empty(tuple(v.shape), dtype=v.dtype, device="meta") if isinstance(v, _Tensor) else v,
+                (args, kwargs),
+            )
+            return func(*on_meta[0], **on_meta[1])
 
     found = _native.get(key, _MISSING)
     if found is _MISSING:
+        sizes = [n for v in leaves if isinstance(v, _Tensor) for n in v.shape]
+        if not all(type(n) is int for n in sizes):  # (a symbolic size: no probe here, where int() would guard)
+            return [out] * count
         found = _native.put(key, _meta_dtypes(meta))
     if found is None or len(found) != count:
         return [out] * count
