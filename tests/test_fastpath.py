@@ -179,9 +179,14 @@ def test_mixprec_cpp_takes_the_usual_spellings_of_no(value, monkeypatch):
 
     monkeypatch.setenv("MIXPREC_CPP", value)
     assert _fastpath._not_wanted() and _fastpath._build() is None
+    monkeypatch.setattr(_fastpath, "_loaded", [None])  # (as extension() leaves it when the build is not wanted)
+    assert _fastpath.disabled_reason() == "MIXPREC_CPP=0"
 
 
-pytestmark = pytest.mark.skipif(os.environ.get("MIXPREC_CPP") == "0", reason="MIXPREC_CPP=0: no C++ kernels")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("MIXPREC_CPP", "1").strip().lower() in ("0", "false", "off", "no"),
+    reason="MIXPREC_CPP=0: no C++ kernels",
+)
 
 
 def _model() -> torch.nn.Module:

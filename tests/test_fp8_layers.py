@@ -348,7 +348,7 @@ class _CrossAttending(torch.nn.Module):
         self.mha = torch.nn.MultiheadAttention(64, 2)
 
     def forward(self, query, memory):
-        return self.mha(query, memory, memory)[0]
+        return self.mha(query, memory, memory, need_weights=False)[0]
 
 
 @pytest.mark.parametrize(("queries", "memories"), [(16, 8), (8, 16)])
@@ -442,3 +442,13 @@ def test_with_an_example_a_residual_stream_updated_in_place_keeps_only_the_ends(
     model = _Residual(in_place)
     with mixprec.choose_fp8_layers(model, min_features=16, example=(torch.randn(16, 32),)) as layers:
         assert layers.kept == ("inp", "out")
+
+
+def test_explain_lists_an_unbatched_self_attention_as_three_in_projections():
+    """torch unsqueezes an unbatched query, key and value one by one, so they are no longer one tensor and it
+    projects them by three linears (explain listed one packed linear)."""
+    torch.manual_seed(0)
+    model, x = _CrossAttending(), torch.randn(16, 64)
+    sites = mixprec.explain(model, "cpu", FP8, example=(x, x))
+    assert [(s.op, s.shape) for s in sites] == [("linear", "16 x 64 x 64")] * 4
+    assert sorted(_fp8_weights(model, x, x)) == [(64, 64)] * 4

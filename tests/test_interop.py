@@ -665,15 +665,17 @@ def _scripted_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b) + torch.cat([a, a]).sum()
 
 
-def test_a_scripted_graph_keeps_torchs_casts_to_float32_after_a_policy_region_registered_kernels():
+def test_a_scripted_graph_in_a_default_region_keeps_torchs_casts_after_a_policy_region_registered_kernels():
     """TorchScript's pass also casts ``add``'s inputs to float32, and no Autocast kernel casts ``add``: once a
-    policy region had registered mixprec's kernels for the pass's casts, a default region (and any other) passed
-    those through too, and the sum came out bfloat16, where torch.autocast gives float32."""
+    policy region had registered mixprec's kernels for the pass's casts, a default region passed them through
+    too, and the sum came out bfloat16, where torch.autocast gives float32. A region with its own policy computes
+    as it does eagerly."""
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     with torch.autocast("cpu"):
         native = [_scripted_sum(a, b) for _ in range(3)]
-    with mixprec.autocast("cpu", policy=mixprec.policies.CPU.with_ops(fp32=["softmax"])):
-        moved = _scripted_sum(a, b)
-    with mixprec.autocast("cpu"):
+    with mixprec.autocast("cpu", policy=mixprec.policies.CPU.with_ops(fp32=["softmax"]), compute="native"):
+        moved, eager = _scripted_sum(a, b), torch.mm(a, b) + torch.cat([a, a]).sum()
+    with mixprec.autocast("cpu", compute="native"):
         default = _scripted_sum(a, b)
-    assert native[0].dtype is F32 and torch.equal(moved, native[0]) and torch.equal(default, native[0])
+    assert native[0].dtype is F32 and torch.equal(default, native[0])
+    assert eager.dtype is BF16 and torch.equal(moved, eager)

@@ -439,11 +439,22 @@ def _name(op) -> str:
     return _names.table_key(op)
 
 
-def test_a_documented_name_can_still_be_taken_out_of_the_table_that_lists_it():
+def test_a_documented_lists_spellings_stay_editable_where_a_table_lists_them():
+    """A documented list holds Python spellings (``__matmul__``, ``cross_entropy``): its own data moves and
+    round-trips (``from_lists`` of ``CUDA_DOCUMENTED``'s lists, then ``to_dict`` and ``from_dict``), while a table
+    that does not list them refuses them."""
     documented = mixprec.policies.CUDA_DOCUMENTED
+    assert documented.with_ops(fp32=["__matmul__"]).changes == {"__matmul__": "fp32"}
     assert "__matmul__" not in documented.without_ops("__matmul__").table
+    rebuilt = mixprec.Policy.from_lists("doc", mixprec.policies.lists("CUDA_DOCUMENTED"))
+    assert mixprec.Policy.from_dict(rebuilt.to_dict()) == rebuilt
     with pytest.raises(ValueError, match="Cannot edit this op"):
-        documented.with_ops(fp32=["__matmul__"])
+        CPU.with_ops(fp32=["__matmul__"])
+
+
+def test_an_overload_entry_spelled_without_its_namespace_counts_as_aten_s():
+    policy = mixprec.Policy.from_lists("p", {"lower_precision_fp": ["mm"], "fp32": ["mm.default"]})
+    assert policy.category(torch.mm) == "fp32" and "mm.default" not in policy.without_ops("mm").table
 
 
 def test_a_policy_file_cannot_take_an_overload_out_on_its_own_either(tmp_path):

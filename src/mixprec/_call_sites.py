@@ -126,8 +126,9 @@ def _ran(site: CallSite, out: Any) -> CallSite:
 def _projections(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[Any, ...]]:
     """The ``linear`` calls ``F.multi_head_attention_forward(*args, **kwargs)`` makes inside (a mode sees only the
     composite): its in-projections, as torch makes them (self-attention: one packed linear of the query; a key
-    that is the value: one of the query and one of the key, by the packed weight's two parts; else three), then
-    its out-projection (of a tensor shaped as the query)."""
+    that is the value: one of the query and one of the key, by the packed weight's two parts; else, and for
+    unbatched inputs, which torch unsqueezes one by one, three), then its out-projection (of a tensor shaped as
+    the query)."""
     bound = inspect.signature(torch.nn.functional.multi_head_attention_forward).bind(*args, **kwargs).arguments
     query, key, value = bound["query"], bound["key"], bound["value"]
     if bound.get("use_separate_proj_weight"):
@@ -138,9 +139,10 @@ def _projections(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[tuple[An
     else:
         weight, bias = bound["in_proj_weight"], bound.get("in_proj_bias")
         width = query.shape[-1]
-        if key is value and query is key:
+        batched = query.dim() == 3  # (an unbatched call gets a batch dimension of its own for each: three linears)
+        if batched and key is value and query is key:
             calls = [(query, weight, bias)]
-        elif key is value:
+        elif batched and key is value:
             halves = (None, None) if bias is None else bias.split([width, 2 * width])
             weights = weight.split([width, 2 * width])
             calls = [(query, weights[0], halves[0]), (key, weights[1], halves[1])]

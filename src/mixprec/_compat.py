@@ -20,8 +20,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import os
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -417,12 +417,13 @@ def _warn_roundings_lost() -> None:
     warnings.warn(
         _errors.message(
             f"torch {torch.__version__}'s inductor cannot keep emulated compute's roundings",
-            "its option that keeps casts down (emulate_precision_casts) fails in its CPU code generation, and "
-            "without it a compiled graph folds a result's rounding into the cast up of the op that reads it: "
-            "compiled results come closer to float32's than eager ones, and a float16 overflow can come out finite",
+            "its option that keeps casts down (emulate_precision_casts) fails in its CPU code generation, so a "
+            "graph of emulated ops that inductor compiles folds a result's rounding into the cast up of the op "
+            "that reads it: its results come closer to float32's than eager ones, and a float16 overflow can "
+            "come out finite (other backends, such as aot_eager, keep the roundings)",
             received={"torch": torch.__version__},
-            fix="Upgrade torch (2.13 and later keep them), compile with another backend (aot_eager), or run "
-            "the region with compute='native'.",
+            fix="Upgrade torch (2.13 and later keep them under inductor), compile with a backend other than "
+            "inductor, or run the region with compute='native'.",
         ),
         stacklevel=3,
     )
@@ -529,16 +530,17 @@ def load_extension(name: str, source: str, directory: Path) -> Any:
         except FileNotFoundError:
             pass
         library, seal = directory / f"{name}.so", directory / f"{name}.so.sha256"
-        if library.exists() and (not seal.exists() or seal.read_text().strip() != _digest(library)):
+        if alone and library.exists() and (not seal.exists() or seal.read_text().strip() != _digest(library)):
             # A library that no load saw whole (a disk that filled, a copy cut short): importing it can kill the
-            # process (SIGBUS) or fail in every process after. Built again.
+            # process (SIGBUS) or fail in every process after. Built again. (Only holding the OS lock: without
+            # one, another process may be building here.)
             for made in directory.iterdir():
                 if made.is_file() and made.name not in ("lock", "mixprec.lock"):
                     made.unlink()
         if not library.exists():
-            compiler = os.environ.get("CXX") or "c++"
-            if shutil.which(compiler) is None:
-                raise RuntimeError(f"no C++ compiler: {compiler!r} (CXX, else c++) is not on PATH")
+            compiler = cpp_extension.get_cxx_compiler()  # (CXX, else the platform's; "ccache g++" runs g++)
+            if shutil.which(shlex.split(compiler)[0] if compiler.strip() else compiler) is None:
+                raise RuntimeError(f"no C++ compiler: {compiler!r} (CXX, else torch's default) is not on PATH")
         try:
             module = cpp_extension.load(
                 name, [source], extra_cflags=["-O2"], build_directory=str(directory), verbose=False

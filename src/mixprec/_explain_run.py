@@ -130,16 +130,10 @@ def _made(op: Op, shape: tuple[int, ...], index_shape: tuple[int, ...]) -> Call 
     return Call(op, tuple(args), {})
 
 
-def _functional(op: Op) -> bool:
-    return not any(a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments)
-
-
 @functools.lru_cache(maxsize=512)
 def synthesize(qualified: str) -> Call | None:
     """A call of the op (``aten::mm``) or overload (``aten::softmax.int``) that runs in float32, or None."""
-    for op in _tables.overloads(qualified):
-        if not _functional(op):
-            continue
+    for op in _tables.overloads(qualified):  # (functional ones only)
         for shape in SHAPES:
             for index_shape in ((shape[0],) if shape else (), shape):
                 call = _made(op, shape, index_shape)
@@ -162,6 +156,13 @@ def from_example(op: Any, qualified: str, args: tuple[Any, ...], kwargs: dict[st
         return None
 
 
+class _Quiet(logging.Filter):
+    """Drops every record (one per trace: each trace adds and removes its own)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return False
+
+
 def aten_calls(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Call]:
     """The ATen calls ``fn(*args, **kwargs)`` makes, traced before autograd with autocast off (tensors or
     ``Spec``s among the arguments; fake tensors stand in for them). Empty if it cannot be traced."""
@@ -179,8 +180,8 @@ def aten_calls(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         return fn(*call_args, **call_kwargs)
 
     logger = logging.getLogger("torch._subclasses.fake_tensor")  # (it logs the error it raises, traceback and all)
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    quiet = _Quiet()
+    logger.addFilter(quiet)
     try:
         with warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), torch._C._DisableAutocast():
             warnings.simplefilter("ignore")
@@ -189,7 +190,7 @@ def aten_calls(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     except Exception:  # whatever stops the trace (data-dependent control flow, an op fake tensors lack)
         return []
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(quiet)
 
     def value(v: Any) -> Any:
         return _spec(v.meta["val"]) if isinstance(v, torch.fx.Node) else v

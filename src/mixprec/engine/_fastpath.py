@@ -71,7 +71,7 @@ def _not_wanted() -> bool:
 
 def disabled_reason() -> str | None:
     """Why the C++ kernels are not in use (``MIXPREC_CPP=0``, or the build failed), or None once they are."""
-    if not _loaded and _not_wanted():
+    if (not _loaded or _loaded[0] is None) and _not_wanted():
         return "MIXPREC_CPP=0"
     return _failure[0] if _failure else None
 

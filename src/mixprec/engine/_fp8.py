@@ -295,7 +295,7 @@ class _Fp8Linear(torch.autograd.Function):
             if need_x:
                 # (kept only in a region: after it, as a backward usually runs, nothing would drop it before the
                 # next region's end, and a weight changed through ``.data`` in between would be quantised stale)
-                in_region = bool(_state._state.frames) or torch.is_autocast_enabled(weight.device.type)
+                in_region = bool(_state.get().frames) or torch.is_autocast_enabled(weight.device.type)
                 wq_cols, sw_cols = quantise_weight(weight, ctx.source, forward, recipe, 0, keep=in_region)
                 grad_x = scaled_mm(gq.contiguous(), sg, _column_major(wq_cols), sw_cols, x_dtype)  # type: ignore[union-attr,arg-type]
             if need_w:

@@ -266,17 +266,15 @@ def _register_jit_casts(key: str, device_type: str) -> None:
 
 
 def _jit_cast_kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
-    """A cast TorchScript's autocast pass wrote. A cast to the lower precision, where mixprec's rules differ from
-    torch's for the call (the thread's region, or the setting ``mixprec.install`` puts in force, has its own
-    policy or compute): the tensor as it is, since the op it feeds is one torch's lists cast down, so it has an
-    Autocast kernel, mixprec's, which casts by the policy (torch's cast ahead of it would round a tensor the
-    policy keeps in float32). Elsewhere, and for every cast to float32 (the pass also writes them ahead of ops
-    no Autocast kernel casts, ``add``, whose dtype they decide; and a cast up loses nothing a policy needs),
-    torch's cast. So TorchScript's pass stays on, and a scripted graph optimised in one kind of region runs
-    right in the other."""
+    """A cast TorchScript's autocast pass wrote: where mixprec's rules differ from torch's for the call (the
+    thread's region, or the setting ``mixprec.install`` puts in force, has its own policy or compute), the tensor
+    as it is, so that the scripted graph computes as the same region does eagerly (torch's cast ahead of an op
+    would round a tensor the policy keeps in float32, or cast up one the policy keeps low); elsewhere, a default
+    region included, torch's cast, so the graph computes as under torch.autocast (the pass also casts up ahead of
+    ops no Autocast kernel casts, such as ``add``, and its casts decide their dtype). So TorchScript's pass stays
+    on, and a scripted graph optimised in one kind of region runs right in the other."""
     after = _compat.keyset_after(_compat.dispatch_key(key))
     state = _state.get()
-    down = op.overloadpacket.__name__ == "_autocast_to_reduced_precision"
 
     def own_rules() -> bool:
         setting = state.active.get(device_type)
@@ -293,7 +291,7 @@ def _jit_cast_kernel(op: Op, device_type: str, key: str) -> Callable[..., Any]:
             # A traced ``x + 1``: torch unboxed the wrapped number, which neither redispatch nor a call takes
             # for a Tensor; torch's kernel returns it as it came, the number's tensor (no cast applies to it).
             return torch.tensor(args[0], dtype=_NUMBER_DTYPES[type(args[0])])
-        if down and own_rules():
+        if own_rules():
             return args[0]
         return op.redispatch(keyset & after, *args, **kwargs)
 

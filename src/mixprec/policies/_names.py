@@ -166,12 +166,14 @@ def edit_name(op: object, listed: Mapping[str, object] | None = None, *, removin
     """The table name of an op to move or remove (``op_name``); ValueError where the edit could change nothing
     although torch has the op: an operator spelling or Python function that reaches no ATen op of its own
     (``__matmul__``, ``F.cross_entropy``), or an ``out=`` / in-place overload. Autocast, native and mixprec's,
-    acts on the dispatcher's functional ATen overloads only. Removing an entry the table lists stays allowed."""
+    acts on the dispatcher's functional ATen overloads only. A name the table lists stays editable (a documented
+    list's spellings, ``CUDA_DOCUMENTED``'s ``__matmul__``: its data round-trips). ``removing``: kept for
+    callers that tell a removal apart."""
     listed = {} if listed is None else listed
     name = op_name(op, listed)
     if _compat.dynamo_tracing():  # (a policy made in compiled code is refused as it is built: ``Policy``)
         return name
-    if _resolve.dispatcher_overloads(name) or not _resolve.callables(name) or (removing and name in listed):
+    if _resolve.dispatcher_overloads(name) or not _resolve.callables(name) or name in listed:
         return name
     if any(isinstance(f, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) for f in _resolve.callables(name)):
         op = op_of_overload(name) or name
@@ -206,8 +208,9 @@ def _iterable(ops: object) -> Iterable[object]:
 
 
 def op_of_overload(name: str) -> str | None:
-    """The table name of the op an overload name belongs to (``aten::mm.default`` -> ``mm``), else None."""
-    if "::" not in name or "." not in name:
+    """The table name of the op an overload name belongs to (``aten::mm.default`` and ``mm.default`` -> ``mm``,
+    ``mylib::op.default`` -> ``mylib::op``), else None."""
+    if "." not in name:
         return None
     return name.split(".")[0].removeprefix("aten::")
 

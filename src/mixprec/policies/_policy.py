@@ -351,7 +351,7 @@ def _check_fields(name: object, table: object, base: object) -> None:
 def _without(table: Mapping[str, Category], names: list[str]) -> dict[str, Category]:
     """``table`` without the entries of ``names``, an op's taking its overloads' entries with it (``without_ops``
     and a policy file's ``without_ops`` both come here)."""
-    prefixes = tuple(f"{n}." if "::" in n else f"aten::{n}." for n in names)
+    prefixes = tuple(p for n in names for p in ((f"{n}.",) if "::" in n else (f"{n}.", f"aten::{n}.")))
     kept = {k: v for k, v in table.items() if k not in names and not k.startswith(prefixes)}
     for name in names:
         op = _names.op_of_overload(name)

@@ -75,10 +75,12 @@ def check(
     name = data.get("name", base or "custom")
     if not isinstance(name, str):
         raise _bad(where, "name must be a string", "name", name, "a string")
-    listed = base_table(base)
+    listed: Mapping[str, Any] = base_table(base)
     ops = data.get("ops", {})
     if not isinstance(ops, Mapping):
         raise _bad(where, "ops must map categories to op names", "ops", ops, "a table such as {fp32 = ['softmax']}")
+    if base is None:  # the table is the file's own: what it lists, it lists (a documented list's spellings too)
+        listed = {n.strip(): None for names in ops.values() for n in _string_list(where, "ops", names)}
     moved: dict[str, list[str]] = {}
     for category, given in ops.items():
         names = [_names.edit_name(n, listed) for n in _string_list(where, "ops", given)]
