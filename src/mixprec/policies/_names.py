@@ -26,7 +26,7 @@ import difflib
 import functools
 import inspect
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -162,18 +162,21 @@ _OPERATORS = {
 }  # fmt: skip
 
 
-def edit_name(op: object, listed: Mapping[str, object] | None = None, *, removing: bool = False) -> str:
+def edit_name(
+    op: object, listed: Mapping[str, object] | None = None, *, removing: bool = False, own: Container[str] = ()
+) -> str:
     """The table name of an op to move or remove (``op_name``); ValueError where the edit could change nothing
     although torch has the op: an operator spelling or Python function that reaches no ATen op of its own
     (``__matmul__``, ``F.cross_entropy``), or an ``out=`` / in-place overload. Autocast, native and mixprec's,
     acts on the dispatcher's functional ATen overloads only. A name the table lists stays editable (a documented
-    list's spellings, ``CUDA_DOCUMENTED``'s ``__matmul__``: its data round-trips). ``removing``: kept for
-    callers that tell a removal apart."""
+    list's spellings, ``CUDA_DOCUMENTED``'s ``__matmul__``: its data round-trips), and so does one in ``own``
+    (the names a base-less policy file lists itself), though it must still name an op torch has or ``listed``
+    holds. ``removing``: kept for callers that tell a removal apart."""
     listed = {} if listed is None else listed
     name = op_name(op, listed)
     if _compat.dynamo_tracing():  # (a policy made in compiled code is refused as it is built: ``Policy``)
         return name
-    if _resolve.dispatcher_overloads(name) or not _resolve.callables(name) or name in listed:
+    if _resolve.dispatcher_overloads(name) or not _resolve.callables(name) or name in listed or name in own:
         return name
     if any(isinstance(f, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) for f in _resolve.callables(name)):
         op = op_of_overload(name) or name

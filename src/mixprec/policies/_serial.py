@@ -75,15 +75,15 @@ def check(
     name = data.get("name", base or "custom")
     if not isinstance(name, str):
         raise _bad(where, "name must be a string", "name", name, "a string")
-    listed: Mapping[str, Any] = base_table(base)
+    listed = base_table(base)
     ops = data.get("ops", {})
     if not isinstance(ops, Mapping):
         raise _bad(where, "ops must map categories to op names", "ops", ops, "a table such as {fp32 = ['softmax']}")
-    if base is None:  # the table is the file's own: what it lists, it lists (a documented list's spellings too)
-        listed = {n.strip(): None for names in ops.values() for n in _string_list(where, "ops", names)}
+    # Without a base the table is the file's own: what it lists, it lists (a documented list's spellings too).
+    own = {n.strip() for names in ops.values() for n in _string_list(where, "ops", names)} if base is None else ()
     moved: dict[str, list[str]] = {}
     for category, given in ops.items():
-        names = [_names.edit_name(n, listed) for n in _string_list(where, "ops", given)]
+        names = [_names.edit_name(n, listed, own=own) for n in _string_list(where, "ops", given)]
         _names.check_dtype_category(category_of(category), names)
         moved[category_of(category).value] = names
     without = _string_list(where, "without_ops", data.get("without_ops", []))
