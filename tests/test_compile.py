@@ -652,7 +652,7 @@ def test_inductor_keeps_emulated_computes_roundings():
             return lin(x).float(), (lin(x * 1.001) * 1.0).float()  # (the consumers cast up)
 
     assert not config.emulate_precision_casts  # (torch's default: the conftest puts it back after each test)
-    if not _compat._inductor_emulates_casts():  # torch 2.10: the option fails in inductor's CPU code: a warning
+    if not _compat._inductor_emulates_casts():  # torch 2.10 to 2.12: inductor cannot keep them: a warning
         torch._dynamo.reset()
         _compat._warn_roundings_lost.cache_clear()  # (once a process)
         with pytest.warns(UserWarning, match="cannot keep emulated compute's roundings"):

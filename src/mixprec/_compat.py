@@ -400,14 +400,11 @@ def outside_modes() -> contextlib.AbstractContextManager[Any]:
 
 @functools.cache
 def _inductor_emulates_casts() -> bool:
-    """Whether inductor's CPU code generation takes ``emulate_precision_casts``: torch 2.10's vectorised
-    ``CppVecOverrides.to_dtype`` names its argument ``use_compute_dtypes`` and raises a TypeError for the
-    ``use_compute_types`` the option passes (torch/_inductor/codegen/cpp.py)."""
-    import inspect
-
-    from torch._inductor.codegen import cpp
-
-    return "use_compute_types" in inspect.signature(cpp.CppVecOverrides.to_dtype).parameters
+    """Whether inductor keeps casts down under ``emulate_precision_casts``: from torch 2.13 on. torch 2.10's
+    vectorised CPU code raises with it (``CppVecOverrides.to_dtype`` names its argument ``use_compute_dtypes``),
+    and torch 2.11 and 2.12's joint-graph pass folds ``x.to(low).float()`` whatever it says
+    (torch/_inductor/fx_passes/joint_graph.py reads the option from 2.13 on; measured on each release)."""
+    return RELEASE >= (2, 13)
 
 
 @functools.cache
@@ -417,8 +414,8 @@ def _warn_roundings_lost() -> None:
     warnings.warn(
         _errors.message(
             f"torch {torch.__version__}'s inductor cannot keep emulated compute's roundings",
-            "its option that keeps casts down (emulate_precision_casts) fails in its CPU code generation, so a "
-            "graph of emulated ops that inductor compiles folds a result's rounding into the cast up of the op "
+            "its option that keeps casts down (emulate_precision_casts) fails or is ignored before torch 2.13, so "
+            "a graph of emulated ops that inductor compiles folds a result's rounding into the cast up of the op "
             "that reads it: its results come closer to float32's than eager ones, and a float16 overflow can "
             "come out finite (other backends, such as aot_eager, keep the roundings)",
             received={"torch": torch.__version__},
