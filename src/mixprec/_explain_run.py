@@ -215,8 +215,19 @@ def traced(
     """The ATen call a Python callable makes with these arguments that explains it: the first whose overload is
     ``listed`` (has a category: ``F.mse_loss`` reaches ``broadcast_tensors`` before ``mse_loss``), else the
     first (torch.norm(x): linalg_vector_norm)."""
-    found = aten_calls(fn, args, kwargs)
+    specs = not kwargs and all(isinstance(a, Spec) for a in args)
+    try:
+        found = _spec_calls(fn, args) if specs else aten_calls(fn, args, kwargs)
+    except TypeError:  # (a callable object that cannot be hashed)
+        found = aten_calls(fn, args, kwargs)
     return next((call for call in found if call.op in listed), found[0] if found else None)
+
+
+@functools.lru_cache(maxsize=2048)
+def _spec_calls(fn: Callable[..., Any], specs: tuple[Spec, ...]) -> list[Call]:
+    """``aten_calls`` of a call made of ``Spec``s only (explain without an example), once per callable and specs:
+    a trace, or a failed one, costs milliseconds, and explain asks again for every policy and dtype."""
+    return aten_calls(fn, specs, {})
 
 
 # ---------------------------------------------------------------- running it
