@@ -60,6 +60,8 @@ VERSION_SENSITIVE = (
     "test_differential.py", "test_cpu_opinfo.py", "test_fp8.py", "test_fp8_distributed.py", "test_fp8_training.py",
     "test_fastpath.py",
 )
+#: The share of the property tests' examples a run on an older release draws (``tests/_share.py``).
+OLDER_RELEASES_SHARE = 1 / 3
 #: In the OpInfo sample: every op torch autocasts on CPU, and this share of the others (by a stable hash).
 OPINFO_SAMPLE_ONE_IN = 12
 
@@ -75,6 +77,22 @@ def pytest_configure(config: pytest.Config) -> None:
     expected = os.environ.get("MIXPREC_EXPECT_TORCH")
     if expected and torch.__version__.split("+")[0] != expected:
         raise pytest.UsageError(f"this venv has torch {torch.__version__}, the matrix asked for {expected}")
+    _split_the_cores()
+    if config.getoption("--version-sensitive") or config.getoption("--not-newest"):
+        import _share
+
+        _share.SHARE = OLDER_RELEASES_SHARE
+
+
+def _split_the_cores() -> None:
+    """An xdist worker takes its share of the cores for torch's intra-op threads, and so do the processes it
+    starts. With every worker on torch's default (all cores) the workers' OpenMP threads wait on one another:
+    the GradScaler parity runs took 45 s each on 2 cores with 2 workers instead of 4.7 s alone (measured)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if workers > 1 and os.environ.get("PYTEST_XDIST_WORKER"):
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 def _sampled(item: pytest.Item) -> bool:

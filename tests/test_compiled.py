@@ -44,6 +44,7 @@ import torch
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
+import _share
 import mixprec
 import reference
 from _opsamples import drawable
@@ -53,7 +54,8 @@ from test_differential import Outcome, _default_only, outcome, programs, same_ou
 
 _QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
 LONG = os.environ.get("MIXPREC_FUZZ") == "long"
-EXAMPLES = {"aot_eager": 1400 if LONG else 30, "inductor": 700 if LONG else 10}
+#: Programs per backend (a third of them on an older release: tests/_share.py).
+EXAMPLES = {"aot_eager": 1400 if LONG else _share.examples(30), "inductor": 700 if LONG else _share.examples(10)}
 FRESH = 8  # programs in the fresh-process share
 
 #: Ops torch.compile traces on CPU as it runs them eagerly (no random numbers, no complex outputs, no
@@ -369,7 +371,7 @@ def test_programs_in_a_fresh_process() -> None:
         import sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         import test_compiled
-        test_compiled.fresh({FRESH})
+        test_compiled.fresh({_share.examples(FRESH)})
         print("clean")
     """
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
