@@ -21,6 +21,7 @@ import copy as copy_module
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -709,3 +710,73 @@ def test_an_emulated_op_keeps_the_float32_outputs_torchs_kernel_keeps():
     _emulate._native.clear()
     with mixprec.autocast("cpu", policy=policy, compute="emulated"):
         assert [t.dtype for t in compiled(x)] == [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("bias_shape", [(4, 3), (1, 3), (2, 4, 3)], ids=["full", "broadcast-row", "3-d"])
+def test_an_emulated_linear_with_a_bias_of_more_dimensions_trains_as_native(bias_shape):
+    """A bias of 2 or more dimensions (as addmm takes, or a broadcast (1, out) one) raised in emulated backward:
+    its gradient was summed over the rows first, then to the bias's shape."""
+    torch.manual_seed(0)
+    x, w = torch.randn(*bias_shape[:-2], 4, 5), torch.randn(3, 5)
+    grads = {}
+    for compute in ("native", "emulated"):
+        bias = torch.randn(bias_shape, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        with mixprec.autocast("cpu", compute=compute):
+            y = F.linear(x, w, bias)
+        y.float().sum().backward()
+        grads[compute] = (y.dtype, y.shape, bias.grad)
+    assert grads["emulated"][:2] == grads["native"][:2]
+    assert torch.equal(grads["emulated"][2], grads["native"][2])  # sums of ones: exact
+
+
+def _laid_out_cases():
+    def mm_weight_t(x, w):
+        return torch.mm(x, w.t())
+
+    def mm_input_t(x, w):
+        return torch.mm(x.t(), w)
+
+    def addmm_t(x, w):
+        return torch.addmm(torch.ones(8, 6), x.t(), w.t())
+
+    def linear_t(x, w):
+        return F.linear(x.t(), w.t())
+
+    def matmul_3d_weight_t(x, w):
+        return torch.matmul(x.t().reshape(2, 4, 8), w)
+
+    return {"mm(x, w.t())": (mm_weight_t, (4, 8), (6, 8)), "mm(x.t(), w)": (mm_input_t, (8, 4), (8, 6)),
+            "addmm(c, x.t(), w.t())": (addmm_t, (4, 8), (6, 4)), "linear(x.t(), w.t())": (linear_t, (8, 4), (8, 6)),
+            "linear(x.t(), w.t()) in slices": (linear_t, (32, 256), (32, 4200)),
+            "matmul(3-d, w)": (matmul_3d_weight_t, (8, 8), (8, 6))}
+
+
+@pytest.mark.parametrize("case", list(_laid_out_cases()))
+def test_emulated_gradients_of_transposed_operands_have_natives_layout(case):
+    """torch's mm backward gives a column-major (transposed) operand a column-major gradient; the emulated
+    kernels gave every gradient row-major, seen through autograd.grad and hooks (a leaf's .grad is laid out
+    again by AccumulateGrad)."""
+    fn, x_shape, w_shape = _laid_out_cases()[case]
+    x, w = torch.randn(x_shape, requires_grad=True), torch.randn(w_shape, requires_grad=True)
+    got = {}
+    for compute in ("native", "emulated"):
+        with mixprec.autocast("cpu", compute=compute):
+            y = fn(x, w)
+        got[compute] = (y.dtype, torch.autograd.grad(y.float().sum(), (x, w)))
+    (native_dtype, native), (emulated_dtype, emulated) = got["native"], got["emulated"]
+    assert emulated_dtype == native_dtype
+    for n, e in zip(native, emulated, strict=True):
+        assert e.stride() == n.stride() and e.dtype == n.dtype
+        torch.testing.assert_close(e, n, rtol=0.02, atol=0.02 * float(n.abs().max()))
+
+
+def test_an_emulated_lstm_with_projections_gives_its_weight_gradients_natives_layout():
+    lstm = torch.nn.LSTM(8, 12, proj_size=6)
+    x = torch.randn(5, 3, 8)
+    strides = {}
+    for compute in ("native", "emulated"):
+        with mixprec.autocast("cpu", compute=compute), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "LSTM with projections", UserWarning)  # (oneDNN's, natively too)
+            out, _ = lstm(x)
+        strides[compute] = [g.stride() for g in torch.autograd.grad(out.float().sum(), list(lstm.parameters()))]
+    assert strides["emulated"] == strides["native"]

@@ -15,6 +15,9 @@ Backward, with ``g`` the float32 gradient of the output::
     matmul(a, b):           as mm, with 1-D operands unsqueezed and broadcast dimensions summed;
                             an N-D @ 2-D product is folded to one mm as torch folds it
     convolution:            aten.convolution_backward
+
+A bias of 2 or more dimensions gets ``g`` summed to its shape; the gradient of a column-major (transposed)
+matrix operand is column-major, as torch's mm backward lays it out (``_laid_out``).
 """
 
 from __future__ import annotations
@@ -59,9 +62,18 @@ class Kernel:
         raise NotImplementedError
 
 
+def _laid_out(grad: Tensor | None, operand: Tensor) -> Tensor | None:
+    """``grad`` in the layout torch's mm backward gives a matrix operand's gradient: a column-major operand (a
+    transposed weight) gets a column-major one (``mm_mat1_backward``, ``mm_mat2_backward``), any other a
+    row-major one."""
+    if grad is None or operand.dim() != 2 or operand.stride(0) != 1 or operand.stride(1) != operand.shape[0]:
+        return grad
+    return grad.mT.contiguous().mT
+
+
 def _mm_backward(g: Tensor, a: Tensor, b: Tensor, needs: Sequence[bool]) -> tuple[Tensor | None, Tensor | None]:
-    ga = g @ b.mT if needs[0] else None
-    gb = a.mT @ g if needs[1] else None
+    ga = _laid_out(g @ b.mT, a) if needs[0] else None
+    gb = _laid_out(a.mT @ g, b) if needs[1] else None
     return ga, gb
 
 
@@ -154,13 +166,15 @@ class _Product(Kernel):
         vector = shapes[0] is None or len(shapes[0]) <= 1
         if kind == "linear" and _in_slices(g.numel() // max(g.shape[-1], 1), g.shape[-1], vector):
             gc, ga, gb = _linear_backward_sliced(low, needs, g, a, b)
-            return (None if gc is None else _down(gc.sum_to_size(shapes[0]), low)), ga, gb
+            gc = None if gc is None else _down(gc.sum_to_size(shapes[0]), low)
+            return gc, _laid_out(ga, a), _laid_out(gb, b)
         g, a, b = g.float(), r32(a, low), r32(b, low)
         if kind == "linear":
             g2 = g.reshape(-1, g.shape[-1])
-            ga = g @ b if needs[1] else None
-            gb = g2.mT @ a.reshape(-1, a.shape[-1]) if needs[2] else None
-            gc = g2.sum(0).sum_to_size(shapes[0]) if needs[0] else None
+            # (a bias of 2 or more dimensions, as addmm takes: its gradient summed to its shape, not over rows first)
+            gc = (g2.sum(0) if vector else g).sum_to_size(shapes[0]) if needs[0] else None
+            ga = _laid_out(g @ b, a) if needs[1] else None
+            gb = _laid_out(g2.mT @ a.reshape(-1, a.shape[-1]), b) if needs[2] else None
         elif kind == "matmul":
             gc, (ga, gb) = None, _matmul_backward(g, a, b, needs[1:])
         else:
