@@ -328,3 +328,29 @@ def test_an_interrupted_extension_build_is_built_again_by_the_next_load(tmp_path
     with pytest.raises(raised):
         _compat.load_extension("mixprec_interrupted_test", "unused.cpp", tmp_path)
     assert "mixprec_interrupted_test" not in cpp_extension.JIT_EXTENSION_VERSIONER.entries
+
+
+def test_batched_tells_both_vmaps_batched_tensors_from_plain_ones():
+    """``_compat.batched``: torch.func's vmap, and the legacy one autograd.grad(is_grads_batched=True) runs
+    backward under (mixprec's emulated linear leaves its slices there)."""
+    seen = []
+
+    def probe(t):
+        seen.append(_compat.batched(t))
+        return t * 2
+
+    torch.func.vmap(probe)(torch.ones(3, 2))
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(_compat.batched(g))
+            return g * 2
+
+    x = torch.ones(2, requires_grad=True)
+    torch.autograd.grad(Spy.apply(x), x, torch.ones(3, 2), is_grads_batched=True)
+    assert seen == [True, True] and not _compat.batched(torch.ones(2))

@@ -780,3 +780,23 @@ def test_an_emulated_lstm_with_projections_gives_its_weight_gradients_natives_la
             out, _ = lstm(x)
         strides[compute] = [g.stride() for g in torch.autograd.grad(out.float().sum(), list(lstm.parameters()))]
     assert strides["emulated"] == strides["native"]
+
+
+@pytest.mark.parametrize("wrt", ["input", "weight"])
+def test_batched_gradients_of_an_emulated_linear_in_slices_follow_native(wrt):
+    """autograd.grad(..., is_grads_batched=True) runs backward under the legacy vmap: the sliced backward wrote
+    batched slices in place into unbatched buffers and raised; it now runs the linear in one piece there."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 8192)  # 160 x 8192 outputs: past CHUNK_ELEMENTS, in slices
+    x = torch.randn(160, 32, requires_grad=True)
+    assert len(_emulate_kernels._slices(160, 8192)) > 1
+    target = x if wrt == "input" else lin.weight
+    got = {}
+    for compute in ("native", "emulated"):
+        with mixprec.autocast("cpu", compute=compute):
+            y = lin(x)
+        v = torch.randn(3, *y.shape, generator=torch.Generator().manual_seed(1)).to(y.dtype)
+        (got[compute],) = torch.autograd.grad(y, target, v, is_grads_batched=True)
+    assert got["emulated"].shape == got["native"].shape == (3, *target.shape)
+    assert got["emulated"].dtype == got["native"].dtype
+    torch.testing.assert_close(got["emulated"], got["native"], rtol=0.02, atol=0.02 * float(got["native"].abs().max()))

@@ -276,6 +276,13 @@ def allow_in_graph(function: Callable[..., Any]) -> None:
 functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
 
 
+def batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a batched tensor of a vmap: torch.func's, or the legacy one of
+    ``autograd.grad(..., is_grads_batched=True)``, under which an autograd.Function's backward runs with no
+    torch.func transform active (``functorch_active`` is False there)."""
+    return bool(torch._C._functorch.is_batchedtensor(t) or torch._C._functorch.is_legacy_batchedtensor(t))
+
+
 def no_autograd_function() -> str | None:
     """Why a kernel cannot apply a custom autograd Function now, or None where it can:
 

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from mixprec import _compat
+
 Tensor = torch.Tensor
 Grads = tuple[Tensor | None, ...]
 
@@ -104,10 +106,15 @@ def _slices(rows: int, features: int) -> list[slice]:
     return [slice(j, min(j + step, features)) for j in range(0, features, step)]
 
 
-def _in_slices(m: int, n: int, vector_bias: bool) -> bool:
+def _in_slices(m: int, n: int, vector_bias: bool, probe: Tensor) -> bool:
     """Whether a linear's ``m x n`` output is computed in slices of its columns: where it is large, and its bias
-    is none or a vector (a 0-dim or 1-element one broadcast; a 2-D one, as ``addmm`` takes, in one piece)."""
-    return vector_bias and len(_slices(m, n)) > 1
+    is none or a vector (a 0-dim or 1-element one broadcast; a 2-D one, as ``addmm`` takes, in one piece). Not
+    under a vmap (``probe``: an input, or the output's gradient), torch.func's or the legacy one of
+    ``autograd.grad(..., is_grads_batched=True)``: the slices are written in place into buffers without its
+    batch dimension."""
+    if not vector_bias or len(_slices(m, n)) == 1:
+        return False
+    return not _compat.functorch_active() and not _compat.batched(probe)
 
 
 def _linear_forward_sliced(low: torch.dtype, x: Tensor, w: Tensor, c: Tensor | None) -> Tensor:
@@ -144,7 +151,7 @@ class _Product(Kernel):
     def forward(self, params: Any, low: torch.dtype, *tensors: Any) -> Tensor:
         kind, beta, alpha = params
         c, a, b = tensors
-        if kind == "linear" and _in_slices(a.numel() // max(a.shape[-1], 1), b.shape[0], c is None or c.dim() <= 1):
+        if kind == "linear" and _in_slices(a.numel() // max(a.shape[-1], 1), b.shape[0], c is None or c.dim() <= 1, a):
             return _linear_forward_sliced(low, a, b, c)
         c, a, b = (r32(t, low) for t in tensors)
         if kind == "linear":
@@ -164,7 +171,7 @@ class _Product(Kernel):
         kind, beta, alpha = params
         _, a, b = saved
         vector = shapes[0] is None or len(shapes[0]) <= 1
-        if kind == "linear" and _in_slices(g.numel() // max(g.shape[-1], 1), g.shape[-1], vector):
+        if kind == "linear" and _in_slices(g.numel() // max(g.shape[-1], 1), g.shape[-1], vector, g):
             gc, ga, gb = _linear_backward_sliced(low, needs, g, a, b)
             gc = None if gc is None else _down(gc.sum_to_size(shapes[0]), low)
             return gc, _laid_out(ga, a), _laid_out(gb, b)
