@@ -490,6 +490,8 @@ def soak(iterations: int) -> tuple[list[int], list[int]]:
                     left = leftovers(start_dtype)
                     if left:
                         raise AssertionError(f"after step {i}: {left}")
+                    if i % PROBE_EVERY == 0:
+                        barrier.wait()  # parked while the main thread's Probe looks (see there)
             finally:
                 worker.close()
         except threading.BrokenBarrierError:
@@ -518,6 +520,14 @@ def soak(iterations: int) -> tuple[list[int], list[int]]:
             left = leftovers(CPU_START_DTYPE) + (["mixprec.install in force"] if _install.current else [])
             assert not left, f"main thread, iteration {i} ({scenario.__name__}): {left}"
             if probe is not None:
+                # Every worker parked first: the mirror of torch's cast cache is process-wide, and a worker whose
+                # region exits clears it, main's entries too; until that clear has destroyed the entries it took
+                # (mirror_clear reacquiring the GIL, or a cast's destruction releasing it), a weight's cast there
+                # keeps the weight alive, and gc.collect holds the GIL throughout.
+                try:
+                    barrier.wait()
+                except threading.BrokenBarrierError:
+                    break  # a worker failed: its failure is reported below
                 assert not probe.alive(), f"iteration {i} ({scenario.__name__}): alive after the region"
             rss.append(_rss())
             done += 1
