@@ -660,6 +660,33 @@ def test_script_refuses_a_module_under_a_policy():
     assert torch.equal(scripted(x), model(x))
 
 
+@pytest.mark.parametrize("region", [
+    lambda: mixprec.autocast("cpu"),
+    lambda: mixprec.autocast("cpu", policy=MM_FP32),
+    lambda: mixprec.cpu.amp.autocast(),
+], ids=["autocast", "autocast-policy", "cpu.amp"])
+def test_script_refuses_a_function_the_region_decorates_as_torchs_decorator_is_refused(region):
+    """Spec 004: ``@autocast`` is not supported in script mode and says so. Scripted, mixprec's wrapper was
+    compiled around the function and the region silently lost (float32 where the eager call gives bfloat16),
+    whether the decorated function is scripted or called from a scripted one."""
+
+    @region()
+    def helper(x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, x)
+
+    with pytest.raises(RuntimeError, match=r"TorchScript error: @mixprec\.autocast\(\) as a decorator is not supp"):
+        torch.jit.script(helper)
+
+    def caller(x: torch.Tensor) -> torch.Tensor:
+        return helper(x)
+
+    with pytest.raises(RuntimeError, match=r"@mixprec\.autocast\(\) as a decorator is not supported in script mode"):
+        torch.jit.script(caller)
+    with pytest.raises(RuntimeError, match=r"TorchScript error: @autocast\(\) decorator is not supported"):
+        torch.jit.script(torch.autocast("cpu")(torch.mm))  # torch's own, for comparison
+    assert helper(torch.randn(4, 4)).dtype is BF16  # eager: the region is there
+
+
 @torch.jit.script
 def _scripted_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b) + torch.cat([a, a]).sum()

@@ -33,6 +33,10 @@ _dynamo_compiling = torch.compiler.is_dynamo_compiling  # one Python frame, wher
 _function_mode_enabled = torch._C._is_torch_function_mode_enabled
 _is_cached = torch.is_autocast_cache_enabled
 _holders = _state.holders
+_SCRIPT_UNSUPPORTED = (
+    "@mixprec.autocast() as a decorator is not supported in script mode (its region would be lost): open the "
+    "region around the call of the scripted function, or trace the function instead (docs/graph_modes.md)"
+)
 _DEVICES, _in_force = _devices.DEVICES, _devices.dtype_in_force
 _NO_OPS: frozenset[str] = frozenset()
 
@@ -296,6 +300,10 @@ class autocast(metaclass=_Made):  # noqa: N801 - torch's name
             with self._fresh():
                 return func(*args, **kwargs)
 
+        # torch.jit.script refuses an object carrying this (as it refuses torch.autocast's decorator): scripted,
+        # the wrapper would be skipped and the region silently lost. (setattr: a name with two underscores
+        # written in a class body is mangled.)
+        setattr(decorate_autocast, "__script_unsupported", _SCRIPT_UNSUPPORTED)
         return decorate_autocast  # type: ignore[return-value]
 
     def _fresh(self) -> Any:
