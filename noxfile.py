@@ -54,13 +54,17 @@ def _tests(release: str):
         constraint = venv / "constraints.txt"
         constraint.write_text(f"torch=={TESTED[release]}\n")
         env = {"PIP_CONSTRAINT": str(constraint)}
+        # pip byte-compiles what it installs, and must: where PYTHONDONTWRITEBYTECODE is set (on our machines it
+        # is) nothing else writes the .pyc files, and every process would compile torch from source (installed
+        # with --no-compile, CI's version-sensitive runs took 5.5 min instead of 2.5).
         session.install("--upgrade", "pip", env=env)
         session.install(f"torch=={TESTED[release]}", env=env)
         session.install("-e", ".[test]", TRANSFORMERS.get(release, "transformers<5"), env=env)
         RESULTS.mkdir(exist_ok=True)
         run = {"MIXPREC_COMPAT_RESULTS": str(RESULTS / f"{release}.json"), "MIXPREC_EXPECT_TORCH": TESTED[release]}
-        # Two workers: the suite is mostly single-threaded Python (7.3 min instead of about 12 on 2 cores).
-        # worksteal: an idle worker takes tests queued for the other (the longest run first: tests/conftest.py).
+        # Two workers: the suite is mostly single-threaded Python (7.5 min instead of about 12 on 2 cores); each takes
+        # its share of the cores for torch's threads (tests/conftest.py). worksteal: an idle worker takes tests
+        # queued for the other (the longest run first: tests/conftest.py).
         session.run("python", "-m", "pytest", "-n", "auto", "--dist", "worksteal", *session.posargs, env=run)
 
     tests.__doc__ = f"The suite on torch {TESTED[release]} (pass -- --version-sensitive for the compat subset)."
