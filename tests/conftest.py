@@ -84,6 +84,16 @@ def pytest_configure(config: pytest.Config) -> None:
         _share.SHARE = OLDER_RELEASES_SHARE
 
 
+def pytest_ignore_collect(collection_path: pathlib.Path, config: pytest.Config) -> bool | None:
+    """Under ``--version-sensitive`` the other test modules are not even imported (each process collected all
+    of them, about 8 s a release, to deselect them)."""
+    if config.getoption("--version-sensitive") and collection_path.is_file():
+        name = collection_path.name
+        if name.startswith("test_") and name.endswith(".py") and name not in VERSION_SENSITIVE:
+            return True
+    return None
+
+
 def _split_the_cores() -> None:
     """An xdist worker takes its share of the cores for torch's intra-op threads, and so do the processes it
     starts. With every worker on torch's default (all cores) the workers' OpenMP threads wait on one another:

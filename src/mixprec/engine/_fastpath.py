@@ -25,7 +25,7 @@ Python and the C++ repeats only the cast of a plain runner and the eligibility t
 holds it to the Python kernel.
 
 The extension is built on first use against the torch installed (``torch.utils.cpp_extension.load``: about
-25 s with g++ 12, once per torch release, Python and source, under ``build_directory()``). Where it cannot be
+16 s with g++ 12, once per torch release, Python and source, under ``build_directory()``). Where it cannot be
 built (no compiler: a warning says so once) or is not wanted (``MIXPREC_CPP=0``), the Python kernels do all
 the work, with the same results.
 """
