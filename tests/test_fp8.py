@@ -8,6 +8,7 @@ recipe, with saturation and all-zero inputs, and CUDA's size and layout rules ar
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import warnings
 
@@ -852,6 +853,55 @@ def test_delayed_histories_save_and_load_through_weights_only_torch_load(tmp_pat
     opt.load_state_dict(saved["opt"])
     assert not torch.equal(step(net, opt, data[3]), straight[3])
     engine.reset()
+
+
+@pytest.mark.parametrize("evaluation", ["no_grad", "inference_mode"])
+def test_an_evaluation_pass_leaves_the_delayed_histories_as_training_left_them(evaluation):
+    """Evaluation before the first step, between steps and after the last, under ``no_grad`` or ``inference_mode``
+    (no backward can follow), neither rolls a history nor records its amaxes: training with it equals training
+    without it, bit for bit, however large the evaluation's data. Under a process group the roll is a collective,
+    and one rank evaluating alone (after the last step, say) waited for the others for ever
+    (``test_fp8_distributed``). A forward with grad on still records: the control."""
+    policy = FP8.with_fp8_recipe(scaling="delayed", history=3)
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randn(32, 64, generator=gen) * (1 + i) for i in range(4)]
+    probe = torch.randn(32, 64, generator=gen) * 1000
+    modes = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "grad": contextlib.nullcontext}
+
+    def train(evaluate: str | None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[torch.Tensor]]:
+        engine.reset()
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        losses, seen = [], []
+
+        def look() -> None:
+            if evaluate is not None:
+                with modes[evaluate](), _region(policy=policy):
+                    seen.append(net(probe).detach().clone())
+
+        look()
+        for x in data:
+            with _region(policy=policy):
+                loss = net(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+            look()
+        history = mixprec.AmaxHistory(net).state_dict()
+        engine.reset()
+        return losses, history, seen
+
+    straight, straight_history, _ = train(None)
+    losses, history, seen = train(evaluation)
+    assert all(torch.equal(a, b) for a, b in zip(straight, losses, strict=True))
+    assert history.keys() == straight_history.keys() and history
+    assert all(torch.equal(history[k], straight_history[k]) for k in history), history
+    assert len(seen) == len(data) + 1 and all(torch.isfinite(y).all() for y in seen)
+    losses, history, _ = train("grad")  # the control: the probe's amaxes reach the histories and the scales
+    assert not torch.equal(history["0.weight.amax_history"], straight_history["0.weight.amax_history"])
+    assert not all(torch.equal(a, b) for a, b in zip(straight, losses, strict=True))
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])

@@ -64,17 +64,29 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
     return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
 
 
-def _train(case: str, scaling: str, agree: bool, resume: bool = False) -> dict[str, Any]:
+def _train(case: str, scaling: str, agree: bool, resume: bool = False, evaluate: bool = False) -> dict[str, Any]:
     """``STEPS`` steps; with ``resume``, the last one in a model made again from the model, optimizer and amax
-    histories saved before it (loaded before its first forward: FSDP2 has gathered nothing yet)."""
+    histories saved before it (loaded before its first forward: FSDP2 has gathered nothing yet); with
+    ``evaluate``, an evaluation after each step (``_evaluate``)."""
     if not resume:
-        return _train_steps(case, scaling, agree, range(STEPS), None)
+        return _train_steps(case, scaling, agree, range(STEPS), None, evaluate)
     first = _train_steps(case, scaling, agree, range(STEPS - 1), None)
     mixprec.engine.reset()  # (as a new process: no history)
     return _train_steps(case, scaling, agree, range(STEPS - 1, STEPS), first)
 
 
-def _train_steps(case: str, scaling: str, agree: bool, steps: range, start: dict[str, Any] | None) -> dict[str, Any]:
+def _evaluate(case: str, base: nn.Module, model: nn.Module, scaling: str) -> None:
+    """An evaluation pass under no_grad with data far larger than training's: under DDP on rank 0 alone, of the
+    module DDP wraps (the usual pattern); under FSDP2 on every rank (its forward gathers the weights)."""
+    if case == "ddp" and dist.get_rank() != 0:
+        return
+    with torch.no_grad(), mixprec.autocast("cpu", policy=_policy(scaling)):
+        (base if case == "ddp" else model)(torch.randn(16, 32) * 1000)
+
+
+def _train_steps(
+    case: str, scaling: str, agree: bool, steps: range, start: dict[str, Any] | None, evaluate: bool = False
+) -> dict[str, Any]:
     rank = dist.get_rank()
     base = _model()
     if case == "ddp":
@@ -98,11 +110,15 @@ def _train_steps(case: str, scaling: str, agree: bool, steps: range, start: dict
         history.load_state_dict(start["amax"])
     for step in steps:
         _step(model, optimizer, _data(rank, step), scaling)
+        if evaluate:
+            _evaluate(case, base, model, scaling)
     return {"params": _full(model), "amax": history.state_dict(), "model": base.state_dict(),
             "optimizer": optimizer.state_dict()}  # fmt: skip
 
 
-def _worker(rank: int, case: str, scaling: str, agree: bool, out_dir: str, resume: bool = False) -> None:
+def _worker(
+    rank: int, case: str, scaling: str, agree: bool, out_dir: str, resume: bool = False, evaluate: bool = False
+) -> None:
     interface = _loopback_interface()
     if interface is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
@@ -111,7 +127,7 @@ def _worker(rank: int, case: str, scaling: str, agree: bool, out_dir: str, resum
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD_SIZE,
                             timeout=COLLECTIVE_TIMEOUT)  # fmt: skip
     try:
-        record = _train(case, scaling, agree, resume)
+        record = _train(case, scaling, agree, resume, evaluate)
         gc.collect()  # (the model is gone: so are the process groups its weights were given, _amax._group)
         left = torch.tensor(len(_amax._groups))
         torch.save({"params": record["params"], "amax": record["amax"], "groups_left": left},
@@ -124,9 +140,11 @@ def _worker(rank: int, case: str, scaling: str, agree: bool, out_dir: str, resum
     os._exit(0)  # (see test_scaler_distributed: no interpreter teardown with gloo threads alive)
 
 
-def _run(case: str, scaling: str, agree: bool, tmp_path: Path, resume: bool = False) -> list[dict[str, Any]]:
-    context = mp.start_processes(_worker, args=(case, scaling, agree, str(tmp_path), resume), nprocs=WORLD_SIZE,
-                                 join=False, start_method="spawn")  # fmt: skip
+def _run(
+    case: str, scaling: str, agree: bool, tmp_path: Path, resume: bool = False, evaluate: bool = False
+) -> list[dict[str, Any]]:
+    args = (case, scaling, agree, str(tmp_path), resume, evaluate)
+    context = mp.start_processes(_worker, args=args, nprocs=WORLD_SIZE, join=False, start_method="spawn")
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     try:
         while not context.join(timeout=max(0.0, deadline - time.monotonic())):
@@ -206,3 +224,18 @@ def test_delayed_training_resumes_from_saved_histories_across_ranks(case: str, t
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
         assert sorted(a["amax"]) == sorted(b["amax"]) and a["amax"]
         assert all(torch.equal(a["amax"][k], b["amax"][k]) for k in a["amax"]), a["amax"]
+
+
+@pytest.mark.parametrize("case", ["ddp", "fsdp2"])
+def test_an_evaluation_on_one_rank_or_all_waits_for_nothing_and_moves_no_history(case: str, tmp_path: Path) -> None:
+    """An evaluation pass under no_grad after each step, the last included: under DDP on rank 0 alone, which waited
+    for ever (its first call after an optimizer step rolled the histories, a collective the other rank, done
+    training, never joined), under FSDP2 on both ranks. Parameters and histories end as without it."""
+    (tmp_path / "straight").mkdir()
+    (tmp_path / "evaluated").mkdir()
+    straight = _run(case, "delayed", agree=True, tmp_path=tmp_path / "straight")
+    evaluated = _run(case, "delayed", agree=True, tmp_path=tmp_path / "evaluated", evaluate=True)
+    for a, b in zip(straight, evaluated, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+        assert sorted(a["amax"]) == sorted(b["amax"]) and a["amax"]
+        assert all(torch.equal(a["amax"][k], b["amax"][k]) for k in a["amax"]), (a["amax"], b["amax"])
