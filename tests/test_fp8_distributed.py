@@ -216,14 +216,20 @@ def test_delayed_training_resumes_from_saved_histories_across_ranks(case: str, t
     """A last step run in a model made again from what was saved before it, the histories loaded before its
     first forward (under FSDP2, before any gather made the weights its sites are keyed by), ends where the
     uninterrupted run ends: parameters and histories."""
-    (tmp_path / "straight").mkdir()
-    (tmp_path / "resumed").mkdir()
-    straight = _run(case, "delayed", agree=True, tmp_path=tmp_path / "straight")
-    resumed = _run(case, "delayed", agree=True, tmp_path=tmp_path / "resumed", resume=True)
-    for a, b in zip(straight, resumed, strict=True):
+    _ends_as_the_plain_run(case, tmp_path, resume=True)
+
+
+def _ends_as_the_plain_run(case: str, tmp_path: Path, **variant: bool) -> None:
+    """Delayed training with agreeing histories, plain and with ``variant`` (``_run``'s flags): the same
+    parameters and histories on every rank."""
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "variant").mkdir()
+    plain = _run(case, "delayed", agree=True, tmp_path=tmp_path / "plain")
+    varied = _run(case, "delayed", agree=True, tmp_path=tmp_path / "variant", **variant)
+    for a, b in zip(plain, varied, strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
         assert sorted(a["amax"]) == sorted(b["amax"]) and a["amax"]
-        assert all(torch.equal(a["amax"][k], b["amax"][k]) for k in a["amax"]), a["amax"]
+        assert all(torch.equal(a["amax"][k], b["amax"][k]) for k in a["amax"]), (a["amax"], b["amax"])
 
 
 @pytest.mark.parametrize("case", ["ddp", "fsdp2"])
@@ -231,11 +237,4 @@ def test_an_evaluation_on_one_rank_or_all_waits_for_nothing_and_moves_no_history
     """An evaluation pass under no_grad after each step, the last included: under DDP on rank 0 alone, which waited
     for ever (its first call after an optimizer step rolled the histories, a collective the other rank, done
     training, never joined), under FSDP2 on both ranks. Parameters and histories end as without it."""
-    (tmp_path / "straight").mkdir()
-    (tmp_path / "evaluated").mkdir()
-    straight = _run(case, "delayed", agree=True, tmp_path=tmp_path / "straight")
-    evaluated = _run(case, "delayed", agree=True, tmp_path=tmp_path / "evaluated", evaluate=True)
-    for a, b in zip(straight, evaluated, strict=True):
-        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
-        assert sorted(a["amax"]) == sorted(b["amax"]) and a["amax"]
-        assert all(torch.equal(a["amax"][k], b["amax"][k]) for k in a["amax"]), (a["amax"], b["amax"])
+    _ends_as_the_plain_run(case, tmp_path, evaluate=True)
