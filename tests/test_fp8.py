@@ -8,7 +8,6 @@ recipe, with saturation and all-zero inputs, and CUDA's size and layout rules ar
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import warnings
 
@@ -385,6 +384,55 @@ def test_fp8_training_gradients_and_checkpointing_are_bit_equal(scaling):
     assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in plain)
     for mode in ("reentrant", "non-reentrant"):
         assert all(torch.equal(a, b) for a, b in zip(plain, checkpoint_grads(policy, mode), strict=True)), mode
+
+
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "delayed"])
+def test_a_layer_run_under_no_grad_and_with_grad_in_one_checkpointed_step_gives_the_plain_gradients(scaling):
+    """A target from the same layer under no_grad, then the layer with grad (FixMatch, BYOL), in a checkpointed
+    forward: the recompute, reentrant or not, quantises as the forward did, and both as without checkpointing.
+    (A no_grad call taken for an evaluation scaled by the history before the step's roll, and the recompute's by
+    the history after it; inside a reentrant checkpoint's forward, which runs under no_grad, the same call counted
+    as training.)"""
+    policy = FP8.with_fp8_recipe(scaling=scaling, history=3)
+    gen = torch.Generator().manual_seed(0)
+    data = [torch.randn(32, 64, generator=gen) * (1 + 3 * i) for i in range(3)]
+
+    class Net(torch.nn.Module):
+        def __init__(self, mode: str) -> None:
+            super().__init__()
+            self.a, self.gate, self.b, self.mode = (torch.nn.Linear(64, 64), torch.nn.Linear(64, 64),
+                                                    torch.nn.Linear(64, 32), mode)  # fmt: skip
+
+        def body(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                target = self.a(x * 2)
+                gate = torch.sigmoid(self.gate(x))
+            return self.a(x) * torch.sigmoid(target) * gate
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.mode == "plain":
+                return self.b(self.body(x))
+            return self.b(torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=self.mode == "reentrant"))
+
+    def run(mode: str) -> list[torch.Tensor]:
+        engine.reset()
+        torch.manual_seed(0)
+        net = Net(mode)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        seen = []
+        for x in data:
+            with _region(policy=policy):
+                loss = net(x.clone().requires_grad_()).float().pow(2).mean()
+            loss.backward()
+            seen += [loss.detach()] + [p.grad.clone() for p in net.parameters() if p.grad is not None]
+            opt.step()
+            opt.zero_grad()
+        engine.reset()
+        return seen
+
+    plain = run("plain")
+    for mode in ("reentrant", "non-reentrant"):
+        assert all(torch.equal(a, b) for a, b in zip(plain, run(mode), strict=True)), mode
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise", "delayed"])
@@ -855,18 +903,18 @@ def test_delayed_histories_save_and_load_through_weights_only_torch_load(tmp_pat
     engine.reset()
 
 
-@pytest.mark.parametrize("evaluation", ["no_grad", "inference_mode"])
-def test_an_evaluation_pass_leaves_the_delayed_histories_as_training_left_them(evaluation):
-    """Evaluation before the first step, between steps and after the last, under ``no_grad`` or ``inference_mode``
-    (no backward can follow), neither rolls a history nor records its amaxes: training with it equals training
-    without it, bit for bit, however large the evaluation's data. Under a process group the roll is a collective,
-    and one rank evaluating alone (after the last step, say) waited for the others for ever
-    (``test_fp8_distributed``). A forward with grad on still records: the control."""
-    policy = FP8.with_fp8_recipe(scaling="delayed", history=3)
+def test_an_inference_mode_evaluation_leaves_the_delayed_histories_as_training_left_them():
+    """Evaluation under ``inference_mode`` before the first step, between steps and after the last scales
+    dynamically and neither rolls a history nor records its amaxes: training with it equals training without
+    it, bit for bit, however large the evaluation's data. Under a process group the roll is a collective, and one
+    rank evaluating alone (after the last step, say) waited for the others for ever (``test_fp8_distributed``).
+    Under a plain ``no_grad`` a forward counts as training and records (a reentrant checkpoint's forward runs under
+    one): the control."""
+    policy, dynamic = FP8.with_fp8_recipe(scaling="delayed", history=3), FP8.with_fp8_recipe(scaling="tensorwise")
     gen = torch.Generator().manual_seed(0)
     data = [torch.randn(32, 64, generator=gen) * (1 + i) for i in range(4)]
     probe = torch.randn(32, 64, generator=gen) * 1000
-    modes = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode, "grad": contextlib.nullcontext}
+    modes = {"inference_mode": torch.inference_mode, "no_grad": torch.no_grad}
 
     def train(evaluate: str | None) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], list[torch.Tensor]]:
         engine.reset()
@@ -877,8 +925,9 @@ def test_an_evaluation_pass_leaves_the_delayed_histories_as_training_left_them(e
 
         def look() -> None:
             if evaluate is not None:
-                with modes[evaluate](), _region(policy=policy):
-                    seen.append(net(probe).detach().clone())
+                for recipe in (policy, dynamic):
+                    with modes[evaluate](), _region(policy=recipe):
+                        seen.append(net(probe).clone())
 
         look()
         for x in data:
@@ -894,12 +943,14 @@ def test_an_evaluation_pass_leaves_the_delayed_histories_as_training_left_them(e
         return losses, history, seen
 
     straight, straight_history, _ = train(None)
-    losses, history, seen = train(evaluation)
+    losses, history, seen = train("inference_mode")
     assert all(torch.equal(a, b) for a, b in zip(straight, losses, strict=True))
     assert history.keys() == straight_history.keys() and history
     assert all(torch.equal(history[k], straight_history[k]) for k in history), history
-    assert len(seen) == len(data) + 1 and all(torch.isfinite(y).all() for y in seen)
-    losses, history, _ = train("grad")  # the control: the probe's amaxes reach the histories and the scales
+    assert len(seen) == 2 * (len(data) + 1)
+    for delayed, tensorwise in zip(seen[::2], seen[1::2], strict=True):  # each look scaled as tensorwise does
+        assert torch.isfinite(delayed).all() and torch.equal(delayed, tensorwise)
+    losses, history, _ = train("no_grad")  # the control: the probe's amaxes reach the histories and the scales
     assert not torch.equal(history["0.weight.amax_history"], straight_history["0.weight.amax_history"])
     assert not all(torch.equal(a, b) for a, b in zip(straight, losses, strict=True))
 

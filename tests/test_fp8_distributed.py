@@ -76,11 +76,11 @@ def _train(case: str, scaling: str, agree: bool, resume: bool = False, evaluate:
 
 
 def _evaluate(case: str, base: nn.Module, model: nn.Module, scaling: str) -> None:
-    """An evaluation pass under no_grad with data far larger than training's: under DDP on rank 0 alone, of the
-    module DDP wraps (the usual pattern); under FSDP2 on every rank (its forward gathers the weights)."""
+    """An evaluation pass under inference_mode with data far larger than training's: under DDP on rank 0 alone, of
+    the module DDP wraps (the usual pattern); under FSDP2 on every rank (its forward gathers the weights)."""
     if case == "ddp" and dist.get_rank() != 0:
         return
-    with torch.no_grad(), mixprec.autocast("cpu", policy=_policy(scaling)):
+    with torch.inference_mode(), mixprec.autocast("cpu", policy=_policy(scaling)):
         (base if case == "ddp" else model)(torch.randn(16, 32) * 1000)
 
 
@@ -234,7 +234,7 @@ def _ends_as_the_plain_run(case: str, tmp_path: Path, **variant: bool) -> None:
 
 @pytest.mark.parametrize("case", ["ddp", "fsdp2"])
 def test_an_evaluation_on_one_rank_or_all_waits_for_nothing_and_moves_no_history(case: str, tmp_path: Path) -> None:
-    """An evaluation pass under no_grad after each step, the last included: under DDP on rank 0 alone, which waited
-    for ever (its first call after an optimizer step rolled the histories, a collective the other rank, done
-    training, never joined), under FSDP2 on both ranks. Parameters and histories end as without it."""
+    """An evaluation pass under inference_mode after each step, the last included: under DDP on rank 0 alone, which
+    waited for ever (its first call after an optimizer step rolled the histories, a collective the other rank,
+    done training, never joined), under FSDP2 on both ranks. Parameters and histories end as without it."""
     _ends_as_the_plain_run(case, tmp_path, evaluate=True)

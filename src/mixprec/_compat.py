@@ -651,13 +651,6 @@ def in_reentrant_recompute() -> bool:
     return node is not None and node.name() == "CheckpointFunctionBackward"
 
 
-def forward_grad_enabled() -> bool:
-    """Whether forward-mode AD is on in this thread (``torch._C._is_fwd_grad_enabled``): on under a plain
-    ``torch.no_grad()``, off in an autograd Function's forward (a reentrant checkpoint's among them) and under
-    ``inference_mode``, which turn grad mode off too (2.10 to 2.15 alike)."""
-    return bool(torch._C._is_fwd_grad_enabled())
-
-
 def register_optimizer_step_post_hook(hook: Callable[..., None]) -> Any:
     """``torch.optim.optimizer.register_optimizer_step_post_hook``: ``hook`` runs after every ``torch.optim``
     optimizer's ``step`` in the process (public, but not re-exported by ``torch.optim``; 2.10 to 2.15 alike)."""

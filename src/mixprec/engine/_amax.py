@@ -19,14 +19,13 @@ weight into the same tensor and keeps its version counter, so the version alone 
 The only collective is the roll's, once per site and step, at the site's first call of the step (in forward,
 where every rank must call the sites in the same order: each carries its site's place among the model's
 parameters, and ranks that meet with different sites raise, ``_agree``): none runs in backward, beside DDP's
-and FSDP's own. An evaluation call (``inference_mode`` or a plain ``torch.no_grad()``: ``evaluating``) neither
-rolls nor records: it scales by the history as training left it (dynamically where there is none), so a rank
-may evaluate alone (the last step's amaxes wait for the next training call's roll) and evaluation data never
-reach training's scales.
+and FSDP's own. A call under ``inference_mode`` (an evaluation) takes no site: it scales dynamically, and
+neither rolls nor records, so a rank may evaluate alone there (not under a plain ``no_grad``, which training
+code holds too: a reentrant checkpoint runs its forward under one, and its recompute must scale as it did).
 Within a step the scales do not move, so a checkpoint's recompute (in the same step) quantises exactly as
 the forward did: gradients with checkpointing equal those without it. A step is a change of the weight's
 ``stamp``: its version or the process's optimizer steps. So a weight that nothing changes while no optimizer
-steps (a frozen model evaluated with grad on) stays on its first, dynamic scale, while a frozen layer of a model in
+steps (a frozen model under evaluation) stays on its first, dynamic scale, while a frozen layer of a model in
 training rolls its history with the optimizer's steps like every other. A weight that autograd computes in each
 step (a parametrization's) stays on the dynamic scale, with a warning: it is a new tensor at every call, with no
 history. Delayed scaling runs
@@ -95,14 +94,12 @@ class Site:
         self.filled += 1
         self.version = version
 
-    def amax(self, row: int, current: torch.Tensor, record: bool = True) -> torch.Tensor:
-        """The amax a tensor of ``row`` is scaled by this step, given its own ``current`` amax (with ``record``,
-        kept for the step where it is finite: an overflow, which the GradScaler skips the step for, leaves no
-        inf or NaN in the history)."""
+    def amax(self, row: int, current: torch.Tensor) -> torch.Tensor:
+        """The amax a tensor of ``row`` is scaled by this step, given its own ``current`` amax (recorded where it
+        is finite: an overflow, which the GradScaler skips the step for, leaves no inf or NaN in the history)."""
         current = current.detach().float()
-        if record:
-            pending = self.pending[row]
-            self.pending[row] = torch.where(current.isfinite(), torch.maximum(pending, current), pending)
+        pending = self.pending[row]
+        self.pending[row] = torch.where(current.isfinite(), torch.maximum(pending, current), pending)
         if self.filled:
             steps = min(self.filled, self.history.shape[1])
             return self.history[row, -steps:].amax()
@@ -121,8 +118,8 @@ def _agree(pending: torch.Tensor, tag: int, group: Any) -> torch.Tensor:
                 "fp8 delayed scaling: the ranks reduced the amax histories of different call sites",
                 "each step's first call of a site agrees its amaxes over the process group, so every rank must run "
                 "the same fp8 layers in the same order (a branch taken by some ranks only, DDP's "
-                "find_unused_parameters, or a forward with grad on some ranks only breaks that: evaluate under "
-                "torch.no_grad() or inference_mode, which runs no collective)",
+                "find_unused_parameters, or a forward on some ranks only breaks that: evaluate those under "
+                "torch.inference_mode(), which scales dynamically and runs no collective)",
                 received={"sites": (int(-reduced[4]), int(reduced[3]))},
                 fix="Make AmaxHistory without process_group (each rank its own histories), keep such layers out of "
                 "fp8 (set_module_policy), or use scaling='tensorwise' for them.",
@@ -147,22 +144,10 @@ def _group(weight: torch.Tensor, group: Any, tag: int) -> None:
     _groups[key] = (group, tag)
 
 
-def evaluating() -> bool:
-    """Whether a call only evaluates: under ``inference_mode`` or a plain ``torch.no_grad()``, where no backward
-    can follow. Not the no_grad that an autograd Function's forward runs in: a reentrant checkpoint's forward is
-    recomputed in backward, and must scale as its recompute will (forward-mode AD is off there, on under a plain
-    no_grad: ``_compat.forward_grad_enabled``)."""
-    if torch.is_inference_mode_enabled():
-        return True
-    return not torch.is_grad_enabled() and _compat.forward_grad_enabled()
-
-
-def site(weight: torch.Tensor, steps: int, evaluation: bool = False) -> Site | None:
+def site(weight: torch.Tensor, steps: int) -> Site | None:
     """The weight's site (made on first use), rolled to the weight's current version; None for a weight computed
-    by the step's autograd graph (``computed``), which is scaled dynamically. For an ``evaluation`` call (see
-    ``evaluating``) the site as it is, neither made nor rolled (None where there is none: a dynamic scale), so
-    that evaluating on some ranks only runs no collective, and evaluation data never reach training's scales;
-    the caller records no amax for it either."""
+    by the step's autograd graph (``computed``), which is scaled dynamically. Never asked under inference_mode
+    (a history made or rolled there would be an inference tensor): a call there scales dynamically (``_fp8``)."""
     if _compat.tracing():
         raise NotImplementedError(
             _errors.message(
@@ -173,13 +158,8 @@ def site(weight: torch.Tensor, steps: int, evaluation: bool = False) -> Site | N
                 "delayed scaling eagerly.",
             )
         )
-    if torch.is_inference_mode_enabled():  # (a history made or rolled there would be an inference tensor, which
-        with torch.inference_mode(False):  # the next step outside it could not update in place)
-            return site(weight, steps, evaluation)
     found = _sites.get(id(weight))
     if found is None or found.weight() is not weight:
-        if evaluation:
-            return None
         if weight.grad_fn is not None:
             computed()
             return None
@@ -194,8 +174,7 @@ def site(weight: torch.Tensor, steps: int, evaluation: bool = False) -> Site | N
                 fix="Use one fp8 recipe for a weight, or call mixprec.engine.reset() to start the histories again.",
             )
         )
-    if not evaluation:
-        found.roll(stamp(weight))
+    found.roll(stamp(weight))
     return found
 
 

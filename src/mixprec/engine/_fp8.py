@@ -76,15 +76,14 @@ def absmax(t: torch.Tensor, dim: int | None) -> torch.Tensor:
 
 def quantise(
     t: torch.Tensor, dtype: torch.dtype, recipe: Fp8Recipe, dim: int | None, site: _amax.Site | None = None,
-    row: int = 0, record: bool = True,
+    row: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, inverse_scale)``: ``t`` scaled, clamped and cast to ``dtype`` (row-major), and what ``_scaled_mm``
     multiplies it back by. ``dim`` None: one scale for the tensor; else one per slice along ``dim`` (kept as a
-    size-1 dim). With a delayed recipe's ``site``, the scale comes from its history's ``row``, and ``t``'s amax
-    is recorded there (with ``record``: not for an evaluation call, ``_amax.evaluating``)."""
+    size-1 dim). With a delayed recipe's ``site``, the scale comes from its history's ``row``."""
     amax = absmax(t.detach(), dim)
     if site is not None:
-        amax = site.amax(row, amax, record)
+        amax = site.amax(row, amax)
     factor = scale(amax, dtype, recipe)
     limit = torch.finfo(dtype).max
     scaled = t.detach().float() * factor
@@ -115,7 +114,6 @@ def quantise_weight(
     dim: int | None,
     site: _amax.Site | None = None,
     keep: bool = True,
-    record: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantise`` for a weight, kept (where ``keep``: a call in a region) while its ``source`` (the tensor the
     call got: the weight itself, or the ``other`` that ``mm`` multiplies by, of which the weight is the
@@ -127,10 +125,9 @@ def quantise_weight(
     Under a delayed recipe (``site``, rolled to this step) a kept quantisation also needs the same site at the
     same count of recorded steps: the scale comes from the site's history, which moves only when a step begins
     (a new stamp) or a saved history is loaded (a new site), and the weight's amax, recorded in the step's
-    pending amaxes at its first call, is the same at every later call of the step. (An evaluation call, which
-    records nothing, neither rolls the site: a kept quantisation it finds was made at the step's first call.)"""
+    pending amaxes at its first call, is the same at every later call of the step."""
     if _compat.tracing() or not keep:
-        return quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT, record)
+        return quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
     key = (id(source), tuple(weight.shape), weight.stride(), weight.dtype, dtype, recipe, dim)
     # (where the weight's data lives: a step may move it, ``p.data = ...``, and the entry it had is replaced)
     now = (_amax.stamp(source), weight.data_ptr(), weight.storage_offset())
@@ -140,7 +137,7 @@ def quantise_weight(
         return found[2]
     # (a normal tensor under inference_mode: a differentiable call later in the step saves it)
     with torch.inference_mode(False) if torch.is_inference_mode_enabled() else contextlib.nullcontext():
-        out = quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT, record)
+        out = quantise(weight, dtype, recipe, dim, site, _amax.WEIGHT)
 
     def forget(_: object) -> None:
         _weights.pop(key, None)
@@ -251,16 +248,20 @@ class _Fp8Linear(torch.autograd.Function):
         recipe: Fp8Recipe,
         out_dtype: torch.dtype,
         source: torch.Tensor | None,
-        evaluation: bool,
     ) -> torch.Tensor:
         source = weight if source is None else source
         rowwise = recipe.scaling == "rowwise"
         forward = format_dtype(recipe.forward)
         x2 = x.reshape(-1, x.shape[-1])
-        site = _amax.site(source, recipe.history, evaluation) if recipe.scaling == "delayed" else None
-        record = not evaluation
-        xq, sx = quantise(x2, forward, recipe, 1 if rowwise else None, site, _amax.INPUT, record)
-        wq, sw = quantise_weight(weight, source, forward, recipe, 1 if rowwise else None, site, record=record)
+        # Under inference_mode (an evaluation: no backward can follow) a delayed recipe scales dynamically, as
+        # tensorwise does: no history is made, rolled (a collective under a process group, which ranks not
+        # evaluating never join) or recorded, so evaluation data never reach training's scales. (Not so under a
+        # plain no_grad, which a training forward may hold too: inside a reentrant checkpoint's forward it cannot
+        # be told from the checkpoint's own, and its recompute must scale as the forward did.)
+        delayed = recipe.scaling == "delayed" and not torch.is_inference_mode_enabled()
+        site = _amax.site(source, recipe.history) if delayed else None
+        xq, sx = quantise(x2, forward, recipe, 1 if rowwise else None, site, _amax.INPUT)
+        wq, sw = quantise_weight(weight, source, forward, recipe, 1 if rowwise else None, site)
         w_inv = sw.reshape(1, -1) if rowwise else sw
         y = scaled_mm(xq.contiguous(), sx, wq.t(), w_inv, out_dtype, recipe.use_fast_accum)
         if bias is not None:
@@ -320,7 +321,7 @@ class _Fp8Linear(torch.autograd.Function):
             for observe in list(observers):
                 observe(seen)
         grad_b = g.float().sum(0).to(b_dtype) if ctx.has_bias and need_b else None
-        return None if grad_x is None else grad_x.reshape(ctx.shape), grad_w, grad_b, None, None, None, None
+        return None if grad_x is None else grad_x.reshape(ctx.shape), grad_w, grad_b, None, None, None
 
 
 class Gemm(NamedTuple):
@@ -426,9 +427,7 @@ def linear(
     (``_amax``)."""
     if source is weight or _compat.tracing():  # (a compiled graph keeps nothing per weight; and dynamo refuses
         source = None  # a tensor given to a Function twice)
-    # (whether the call only evaluates is asked here: inside the Function's forward grad mode is always off)
-    evaluation = recipe.scaling == "delayed" and _amax.evaluating()
-    y = _Fp8Linear.apply(x, weight, bias, recipe, out_dtype, source, evaluation)
+    y = _Fp8Linear.apply(x, weight, bias, recipe, out_dtype, source)
     # An autograd Function's output that is a view refuses in-place ops (``y += 1`` after a layer, as native
     # allows), and FSDP2 warns of a module returning one: shaped out here, by a view autograd knows.
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], weight.shape[0])  # type: ignore[no-any-return]
