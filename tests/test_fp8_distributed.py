@@ -76,12 +76,13 @@ def _train(case: str, scaling: str, agree: bool, resume: bool = False, evaluate:
 
 
 def _evaluate(case: str, base: nn.Module, model: nn.Module, scaling: str) -> None:
-    """An evaluation pass under inference_mode with data far larger than training's: under DDP on rank 0 alone, of
-    the module DDP wraps (the usual pattern); under FSDP2 on every rank (its forward gathers the weights)."""
+    """An evaluation pass under inference_mode with data far larger than training's (from a generator of its own:
+    rank 0's global RNG stays as in the plain run): under DDP on rank 0 alone, of the module DDP wraps (the usual
+    pattern); under FSDP2 on every rank (its forward gathers the weights)."""
     if case == "ddp" and dist.get_rank() != 0:
         return
     with torch.inference_mode(), mixprec.autocast("cpu", policy=_policy(scaling)):
-        (base if case == "ddp" else model)(torch.randn(16, 32) * 1000)
+        (base if case == "ddp" else model)(torch.randn(16, 32, generator=torch.Generator().manual_seed(7)) * 1000)
 
 
 def _train_steps(
